@@ -1,0 +1,1 @@
+"""Benchmarks: side-by-side ratios against reference implementations and the machine limits."""

@@ -1,0 +1,1 @@
+"""Interleaved webdataset shards: ingest, pre-tokenize, and resumable packed streaming."""

@@ -1,0 +1,1 @@
+"""The fused decoder (Chameleon architecture), its loss, training module and sampler."""

@@ -1,0 +1,1 @@
+"""Image and text tokenizers and the unified early-fusion vocabulary."""
