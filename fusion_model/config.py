@@ -1,0 +1,138 @@
+"""FusionConfig: the decoder's hyper-parameters (Chameleon architecture) and named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+NORM_PLACEMENTS = ("pre", "swin")
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "xformers")
+
+
+def chameleon_ffn_dim(dim: int) -> int:
+    """Chameleon's (LLaMA-2's) FFN width rule: 256 * ceil(int(8 d / 3) / 256)."""
+    return 256 * math.ceil(int(8 * dim / 3) / 256)
+
+
+@dataclass
+class FusionConfig:
+    """Decoder shape and training-relevant switches; defaults are Chameleon-7B."""
+
+    vocab_size: int = 65536
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int | None = None  # None: same as n_heads (no GQA)
+    ffn_dim: int | None = None  # None: chameleon_ffn_dim(dim)
+    rope_theta: float = 10000.0
+    max_seq_len: int = 4096
+    norm_eps: float = 1e-5
+    qk_norm: bool = True
+    norm_placement: str = "pre"  # "pre" (LLaMA) or "swin" (Chameleon-34B norm reordering)
+    dropout: float = 0.0  # residual dropout after each sub-layer
+    z_loss_coef: float = 1e-5
+    attention_backend: str = "auto"  # auto: flex on CUDA, SDPA elsewhere
+    image_bidirectional: bool = False  # Transfusion-style full attention inside each image run
+    image_offset: int | None = None  # image id = image_offset + code (None: no image block known)
+    image_codes: int | None = None
+    init_std: float = 0.02
+    gradient_checkpointing: bool = False  # recompute each block in backward (memory for speed)
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"FusionConfig: dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(f"FusionConfig: n_heads {self.n_heads} is not a multiple of n_kv_heads {self.kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"FusionConfig: head_dim {self.head_dim} must be even for RoPE")
+        if self.norm_placement not in NORM_PLACEMENTS:
+            raise ValueError(f"FusionConfig: norm_placement {self.norm_placement!r}; choose one of {NORM_PLACEMENTS}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"FusionConfig: attention_backend {self.attention_backend!r}; choose one of {ATTENTION_BACKENDS}"
+            )
+        if (self.image_offset is None) != (self.image_codes is None):
+            raise ValueError("FusionConfig: set both image_offset and image_codes, or neither")
+        if self.image_offset is not None and self.image_offset + self.image_codes > self.vocab_size:
+            raise ValueError(
+                f"FusionConfig: image block [{self.image_offset}, {self.image_offset + self.image_codes}) "
+                f"does not fit in vocab_size {self.vocab_size}"
+            )
+
+    # ---- derived sizes -------------------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        """Width of one attention head."""
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        """Number of key/value heads (n_kv_heads, or n_heads without GQA)."""
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def hidden_dim(self) -> int:
+        """FFN width (explicit ffn_dim, or Chameleon's rule)."""
+        return self.ffn_dim or chameleon_ffn_dim(self.dim)
+
+    def layer_parameters(self) -> int:
+        """Parameters of one decoder block, closed form."""
+        d, hd = self.dim, self.head_dim
+        attention = d * (self.n_heads * hd) + 2 * d * (self.kv_heads * hd) + (self.n_heads * hd) * d
+        mlp = 3 * d * self.hidden_dim
+        norms = 2 * d
+        qk_norm = 2 * (self.n_heads + self.kv_heads) * hd if self.qk_norm else 0  # weight + bias per head
+        return attention + mlp + norms + qk_norm
+
+    def num_parameters(self, embeddings: bool = True) -> int:
+        """Total parameters, closed form (untied input embedding and output head, final norm)."""
+        tables = 2 * self.vocab_size * self.dim if embeddings else 0
+        return tables + self.n_layers * self.layer_parameters() + self.dim
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 N (matmul weights, head included) + 12 L d T (attention scores/values).
+
+        The attention term counts the full T x T square (PaLM's convention), since the masked SDPA
+        kernels used here compute it; the input embedding lookup is no matmul and is left out.
+        """
+        matmul_params = self.num_parameters(embeddings=False) + self.vocab_size * self.dim
+        return 6.0 * matmul_params + 12.0 * self.n_layers * self.dim * seq_len
+
+    # ---- presets -------------------------------------------------------------------------------
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> FusionConfig:
+        """Build a named preset (see PRESETS), with any field overridden by keyword."""
+        if name not in PRESETS:
+            raise ValueError(f"FusionConfig: unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        fields = {**PRESETS[name], **overrides}
+        return cls(**fields)
+
+    def to_dict(self) -> dict:
+        """Plain-JSON form (for checkpoints and hparams)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> FusionConfig:
+        """Inverse of to_dict; unknown keys are an error naming them."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"FusionConfig.from_dict: unknown fields {unknown}")
+        return cls(**values)
+
+
+# Presets leave image_offset/image_codes unset: they come from the vocabulary (UnifiedVocab), passed
+# as overrides, e.g. FusionConfig.from_preset("demo", vocab_size=v.vocab_size, image_offset=v.image_offset, ...).
+PRESETS: dict[str, dict] = {
+    # DESIGN §4: 7B uses pre-norm with dropout 0.1; 34B needed swin norm reordering and no dropout.
+    "chameleon-7b": dict(dim=4096, n_layers=32, n_heads=32, dropout=0.1),
+    "chameleon-34b": dict(dim=8192, n_layers=48, n_heads=64, n_kv_heads=8, norm_placement="swin"),
+    # unit tests: everything small, GQA on so the grouped path is always exercised
+    "tiny": dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=128),
+    # the CPU demo (DESIGN §8): d 128, 4 layers, 4 heads, ~0.86M parameters without embeddings
+    "demo": dict(vocab_size=1024, dim=128, n_layers=4, n_heads=4, ffn_dim=384, max_seq_len=256, dropout=0.1),
+    # CPU benchmark sizes
+    "small": dict(vocab_size=4096, dim=256, n_layers=4, n_heads=4, max_seq_len=512),
+    "medium": dict(vocab_size=8192, dim=512, n_layers=8, n_heads=8, max_seq_len=1024),
+}

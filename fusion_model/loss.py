@@ -1,0 +1,97 @@
+"""Next-token cross-entropy + z-loss over packed rows, with text and image losses reported separately."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+
+def next_token_targets(input_ids: torch.Tensor, document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Targets (B, T-1) = input_ids shifted by one, and where they are valid (same document >= 0)."""
+    valid = (document_ids[:, :-1] == document_ids[:, 1:]) & (document_ids[:, :-1] >= 0)
+    return input_ids[:, 1:], valid
+
+
+def target_weights(targets: torch.Tensor, image_offset: int | None, image_codes: int | None,
+                   text_weight: float, image_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which targets are image tokens, and each target's modality weight."""
+    if image_offset is None:
+        is_image = torch.zeros_like(targets, dtype=torch.bool)
+    else:
+        is_image = (targets >= image_offset) & (targets < image_offset + image_codes)
+    weights = torch.where(is_image, image_weight, text_weight).float()
+    return is_image, weights
+
+
+def _summarise(ce: torch.Tensor, lse: torch.Tensor, is_image: torch.Tensor, weights: torch.Tensor,
+               z_loss_coef: float) -> dict:
+    """Reduce per-target CE and log Z (all valid targets, flat) to the loss dictionary."""
+    total_weight = weights.sum()
+    denominator = total_weight.clamp_min(1e-12)
+    ce_mean = (weights * ce).sum() / denominator
+    z_loss = z_loss_coef * (weights * lse.pow(2)).sum() / denominator
+    n_image = is_image.sum()
+    n_text = is_image.numel() - n_image
+    text_loss = torch.where(~is_image, ce, 0.0).sum() / n_text.clamp_min(1)
+    image_loss = torch.where(is_image, ce, 0.0).sum() / n_image.clamp_min(1)
+    return {
+        "loss": ce_mean + z_loss,
+        "ce": ce_mean,
+        "z_loss": z_loss,
+        "text_loss": text_loss.detach(),
+        "image_loss": image_loss.detach(),
+        "n_text_targets": n_text,
+        "n_image_targets": n_image,
+    }
+
+
+def fusion_loss(logits: torch.Tensor, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None, *,
+                image_offset: int | None, image_codes: int | None, z_loss_coef: float,
+                text_weight: float = 1.0, image_weight: float = 1.0) -> dict:
+    """CE + z_loss_coef * mean(logsumexp(logits)^2) over valid next-token targets.
+
+    The target of token t is token t+1 only when both are in the same document (>= 0). Text vs image
+    is decided by the target id; `ce` and `z_loss` weight each target by its modality's weight, so
+    image_weight=0 trains on text targets only. `text_loss`/`image_loss` are unweighted, detached
+    means for logging (0 when a modality has no target).
+    """
+    if document_ids is None:
+        document_ids = torch.zeros_like(input_ids)
+    targets, valid = next_token_targets(input_ids, document_ids)
+    logits = logits[:, :-1][valid].float()
+    targets = targets[valid]
+    lse = torch.logsumexp(logits, dim=-1)
+    ce = lse - logits.gather(1, targets[:, None]).squeeze(1)
+    is_image, weights = target_weights(targets, image_offset, image_codes, text_weight, image_weight)
+    return _summarise(ce, lse, is_image, weights, z_loss_coef)
+
+
+def _chunk_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = (hidden @ weight.t()).float()
+    lse = torch.logsumexp(logits, dim=-1)
+    return torch.stack([lse - logits.gather(1, targets[:, None]).squeeze(1), lse])
+
+
+def fusion_loss_from_hidden(hidden: torch.Tensor, head_weight: torch.Tensor, input_ids: torch.Tensor,
+                            document_ids: torch.Tensor, *, image_offset: int | None, image_codes: int | None,
+                            z_loss_coef: float, text_weight: float = 1.0, image_weight: float = 1.0,
+                            chunk_size: int = 4096) -> dict:
+    """fusion_loss from final hidden states and the head weight, computed in chunks of valid targets.
+
+    Each chunk's fp32 logits are recomputed in backward (checkpointed), so memory holds one chunk of
+    (chunk_size, vocab) logits instead of (B, T, vocab): at T 4,096 x vocab 65,536 that is 1 GiB per row.
+    """
+    targets, valid = next_token_targets(input_ids, document_ids)
+    flat_hidden = hidden[:, :-1][valid]
+    targets = targets[valid]
+    pieces = []
+    for begin in range(0, targets.numel(), chunk_size):
+        h, t = flat_hidden[begin : begin + chunk_size], targets[begin : begin + chunk_size]
+        if torch.is_grad_enabled() and (h.requires_grad or head_weight.requires_grad):
+            pieces.append(checkpoint(_chunk_ce, h, head_weight, t, use_reentrant=False))
+        else:
+            pieces.append(_chunk_ce(h, head_weight, t))
+    # with no valid target the result still hangs off the graph, so backward() works on an all-padding batch
+    stacked = torch.cat(pieces, dim=1) if pieces else hidden.new_zeros(2, 0, dtype=torch.float32) + 0 * hidden.sum()
+    is_image, weights = target_weights(targets, image_offset, image_codes, text_weight, image_weight)
+    return _summarise(stacked[0], stacked[1], is_image, weights, z_loss_coef)

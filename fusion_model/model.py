@@ -1,0 +1,330 @@
+"""The fused decoder: Chameleon's transformer (QK-norm, pre or swin norm, SwiGLU, RoPE) over packed rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from fusion_model import attention as attn_lib
+from fusion_model.config import FusionConfig
+from fusion_model.loss import fusion_loss_from_hidden
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 (as transformers' Chameleon), weight applied in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise the last dimension."""
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+class QKNorm(nn.Module):
+    """Chameleon's QK-norm: LayerNorm over head_dim without affine, then a per-head weight and bias."""
+
+    def __init__(self, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(heads, head_dim))
+        self.bias = nn.Parameter(torch.zeros(heads, head_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, T, heads, head_dim)."""
+        return F.layer_norm(x, x.shape[-1:], None, None, eps=1e-5) * self.weight + self.bias
+
+
+def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin tables (B, 1, T, head_dim) for the rotate_half convention, computed in fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float, device=position_ids.device) / head_dim))
+    freqs = position_ids[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, H, T, hd) by the position angles (rotate_half convention, as LLaMA/Chameleon)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass
+class AttentionContext:
+    """Everything attention needs besides q/k/v, built once per forward and shared by all layers."""
+
+    backend: str  # "sdpa" | "flex" | "xformers"
+    mask: torch.Tensor | None = None  # boolean (B, 1, Tq, Tk) for sdpa; None = plain causal
+    block_mask: object = None  # flex BlockMask
+    document_ids: torch.Tensor | None = None  # for xformers
+    cache: KVCache | None = None
+
+
+class KVCache:
+    """Preallocated keys/values per layer (B, n_kv_heads, max_len, head_dim), with each cached key's
+    document id and position; `length` keys are filled. Rows share one length (left-pad prompts
+    with document id -1)."""
+
+    def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, max_len: int, head_dim: int,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        shape = (batch_size, n_kv_heads, max_len, head_dim)
+        dtype = dtype or torch.get_default_dtype()
+        self.keys = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.values = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layers)]
+        self.document_ids = torch.full((batch_size, max_len), -1, dtype=torch.long, device=device)
+        self.positions = torch.zeros((batch_size, max_len), dtype=torch.long, device=device)
+        self.length = 0
+        self.max_len = max_len
+        self.batch_size = batch_size
+
+    def reset(self) -> None:
+        """Forget every cached token (the buffers are reused)."""
+        self.length = 0
+        self.document_ids.fill_(-1)
+
+    def reserve(self, document_ids: torch.Tensor, position_ids: torch.Tensor) -> None:
+        """Record the metadata of the next T tokens (called once per forward, before the layers)."""
+        batch, length = document_ids.shape
+        if batch != self.batch_size:
+            raise ValueError(f"KVCache: batch {batch} does not match the cache's batch size {self.batch_size}")
+        if self.length + length > self.max_len:
+            raise ValueError(
+                f"KVCache: {self.length} cached + {length} new tokens exceed max_len {self.max_len}; "
+                "create the cache with a larger max_len"
+            )
+        self.document_ids[:, self.length : self.length + length] = document_ids
+        self.positions[:, self.length : self.length + length] = position_ids
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this layer's new keys/values at `length`; return all keys/values up to the new end."""
+        end = self.length + k.shape[2]
+        self.keys[layer][:, :, self.length : end] = k
+        self.values[layer][:, :, self.length : end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+
+class Attention(nn.Module):
+    """Multi-head (optionally grouped-query) self-attention with QK-norm before RoPE; fused QKV projection."""
+
+    def __init__(self, config: FusionConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.head_dim
+        self.qkv = nn.Linear(config.dim, (self.n_heads + 2 * self.kv_heads) * self.head_dim, bias=False)
+        self.out = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False)
+        self.q_norm = QKNorm(self.n_heads, self.head_dim) if config.qk_norm else None
+        self.k_norm = QKNorm(self.kv_heads, self.head_dim) if config.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """x: (B, T, dim) -> (B, T, dim)."""
+        batch, length, _ = x.shape
+        qkv = self.qkv(x).view(batch, length, self.n_heads + 2 * self.kv_heads, self.head_dim)
+        q, k, v = qkv.split([self.n_heads, self.kv_heads, self.kv_heads], dim=2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if ctx.cache is not None:
+            k, v = ctx.cache.update(self.layer, k, v)
+        if ctx.backend == "flex":
+            y = attn_lib.flex_attention(q, k, v, ctx.block_mask)
+        elif ctx.backend == "xformers":
+            y = attn_lib.xformers_attention(q, k, v, ctx.document_ids)
+        else:
+            y = attn_lib.sdpa_attention(q, k, v, ctx.mask)
+        return self.out(y.transpose(1, 2).reshape(batch, length, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
+
+    def __init__(self, config: FusionConfig) -> None:
+        super().__init__()
+        self.gate_up = nn.Linear(config.dim, 2 * config.hidden_dim, bias=False)
+        self.down = nn.Linear(config.hidden_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, T, dim) -> (B, T, dim)."""
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    """One decoder layer; pre-norm x + f(norm(x)) or swin norm x + norm(f(x))."""
+
+    def __init__(self, config: FusionConfig, layer: int) -> None:
+        super().__init__()
+        self.swin = config.norm_placement == "swin"
+        self.attn_norm = RMSNorm(config.dim, config.norm_eps)
+        self.attn = Attention(config, layer)
+        self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
+        self.mlp = MLP(config)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """x: (B, T, dim) -> (B, T, dim)."""
+        if self.swin:
+            h = x + self.dropout(self.attn_norm(self.attn(x, cos, sin, ctx)))
+            return h + self.dropout(self.mlp_norm(self.mlp(h)))
+        h = x + self.dropout(self.attn(self.attn_norm(x), cos, sin, ctx))
+        return h + self.dropout(self.mlp(self.mlp_norm(h)))
+
+
+class FusionModel(nn.Module):
+    """Decoder-only transformer over the unified text+image vocabulary (untied embedding and head)."""
+
+    def __init__(self, config: FusionConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) for matrices; output projections scaled by 1/sqrt(2 L) (GPT-2)."""
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if p.dim() < 2 or "norm" in name:
+                continue
+            scale = (2 * self.config.n_layers) ** -0.5 if name.endswith(("out.weight", "down.weight")) else 1.0
+            nn.init.normal_(p, mean=0.0, std=std * scale)
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+            elif isinstance(module, QKNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    # ---- attention bookkeeping ------------------------------------------------------------------
+    def _backend(self, device: torch.device, cached: bool) -> str:
+        backend = self.config.attention_backend
+        if backend == "auto":
+            backend = "flex" if device.type == "cuda" and not cached else "sdpa"
+        if backend == "xformers" and (cached or self.config.image_bidirectional):
+            raise ValueError("attention_backend='xformers' supports neither a KV cache nor image_bidirectional; "
+                             "use 'sdpa' or 'flex'")
+        return backend
+
+    def _image_runs(self, input_ids: torch.Tensor) -> torch.Tensor | None:
+        if not self.config.image_bidirectional:
+            return None
+        if self.config.image_offset is None:
+            raise ValueError("image_bidirectional=True needs image_offset and image_codes in FusionConfig")
+        return attn_lib.image_runs(input_ids, self.config.image_offset, self.config.image_codes)
+
+    def _context(self, input_ids, document_ids, position_ids, kv_cache):
+        """Resolve document/position ids and build the attention mask for this forward."""
+        batch, length = input_ids.shape
+        device = input_ids.device
+        explicit_docs = document_ids is not None
+        if document_ids is None:
+            document_ids = torch.zeros_like(input_ids)
+        start = 0 if kv_cache is None else kv_cache.length
+        if position_ids is None:
+            if kv_cache is not None and start > 0:
+                position_ids = attn_lib.positions_from_documents(
+                    document_ids, kv_cache.positions[:, start - 1] + 1, kv_cache.document_ids[:, start - 1]
+                )
+            elif explicit_docs:
+                position_ids = attn_lib.positions_from_documents(document_ids)
+            else:
+                position_ids = torch.arange(length, device=device).expand(batch, length)
+        backend = self._backend(device, kv_cache is not None)
+        ctx = AttentionContext(backend=backend, cache=kv_cache, document_ids=document_ids)
+        runs = self._image_runs(input_ids)
+        if kv_cache is not None:
+            kv_cache.reserve(document_ids, position_ids)
+            end = start + length
+            doc_k = kv_cache.document_ids[:, :end]
+            # image runs are only known inside this chunk: a prompt's images are bidirectional at prefill,
+            # tokens generated one at a time stay causal
+            run_k = None if runs is None else torch.cat([torch.full_like(doc_k[:, :start], -1), runs], dim=1)
+            q_index = torch.arange(start, end, device=device)
+            ctx.mask = attn_lib.build_mask(document_ids, doc_k, q_index, torch.arange(end, device=device), runs, run_k)
+        elif backend == "flex":
+            ctx.block_mask = attn_lib.flex_block_mask(document_ids, document_ids, 0, runs, runs)
+        elif backend == "sdpa" and (explicit_docs or runs is not None):
+            index = torch.arange(length, device=device)
+            ctx.mask = attn_lib.build_mask(document_ids, document_ids, index, index, runs, runs)
+        return ctx, position_ids
+
+    # ---- forward --------------------------------------------------------------------------------
+    def forward_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                       document_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """Final normed hidden states (B, T, dim); see forward for the arguments."""
+        if input_ids.dim() != 2:
+            raise ValueError(f"FusionModel: input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
+        if input_ids.numel() and int(input_ids.max()) >= self.config.vocab_size:
+            raise ValueError(f"FusionModel: token id {int(input_ids.max())} >= vocab_size {self.config.vocab_size}")
+        ctx, position_ids = self._context(input_ids, document_ids, position_ids, kv_cache)
+        x = self.embed(input_ids)
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for block in self.layers:
+            if self.config.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, cos, sin, ctx, use_reentrant=False)
+            else:
+                x = block(x, cos, sin, ctx)
+        if kv_cache is not None:
+            kv_cache.length += input_ids.shape[1]
+        return self.norm(x)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """Logits (B, T, vocab) in fp32.
+
+        document_ids (B, T): packed documents, -1 for padding; attention stays inside a document and
+        is causal. position_ids restart per document (derived from document_ids when None). With
+        kv_cache, the T tokens are appended at cache.length and attend to every cached key of their
+        document.
+        """
+        return self.head(self.forward_hidden(input_ids, position_ids, document_ids, kv_cache)).float()
+
+    def loss(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None,
+             position_ids: torch.Tensor | None = None, *, text_weight: float = 1.0, image_weight: float = 1.0,
+             chunk_size: int = 4096) -> dict:
+        """fusion_loss without materialising all logits: the head + CE run in checkpointed token chunks."""
+        if document_ids is None:
+            document_ids = torch.zeros_like(input_ids)
+        hidden = self.forward_hidden(input_ids, position_ids, document_ids)
+        return fusion_loss_from_hidden(
+            hidden, self.head.weight, input_ids, document_ids,
+            image_offset=self.config.image_offset, image_codes=self.config.image_codes,
+            z_loss_coef=self.config.z_loss_coef, text_weight=text_weight, image_weight=image_weight,
+            chunk_size=chunk_size,
+        )
+
+    # ---- utilities ------------------------------------------------------------------------------
+    def new_kv_cache(self, batch_size: int, max_len: int | None = None, device: torch.device | str | None = None,
+                     dtype: torch.dtype | None = None) -> KVCache:
+        """An empty KVCache sized for this model (device/dtype default to the model's)."""
+        p = self.embed.weight
+        c = self.config
+        return KVCache(c.n_layers, batch_size, c.kv_heads, max_len or c.max_seq_len, c.head_dim,
+                       device=device or p.device, dtype=dtype or p.dtype)
+
+    def num_parameters(self) -> int:
+        """Number of parameters (equals config.num_parameters())."""
+        return sum(p.numel() for p in self.parameters())
+
+    @classmethod
+    def from_transformers(cls, hf_model, **config_overrides) -> FusionModel:
+        """Import a transformers ChameleonForConditionalGeneration / ChameleonModel (weights copied)."""
+        from fusion_model.hf_convert import from_transformers
+
+        return from_transformers(hf_model, **config_overrides)
+
+    def to_transformers(self, directory, image_tokenizer=None, vocab=None):
+        """Export as a transformers ChameleonForConditionalGeneration directory (config.json + safetensors)."""
+        from fusion_model.hf_convert import to_transformers
+
+        return to_transformers(self, directory, image_tokenizer=image_tokenizer, vocab=vocab)
