@@ -8,10 +8,13 @@ import platform
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# `python -m bench` and the smoke test point these at their own choices; benchmarks need not know.
+RESULTS_DIR_ENV = "BENCH_RESULTS_DIR"
+COMPARE_SECONDS_ENV = "BENCH_COMPARE_MAX_SECONDS"
 
 
 @dataclass
@@ -46,6 +49,20 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+def compare_seconds_cap() -> float | None:
+    """The per-comparison time cap set by the runner (env `BENCH_COMPARE_MAX_SECONDS`), if any."""
+    raw = os.environ.get(COMPARE_SECONDS_ENV)
+    if not raw:
+        return None
+    try:
+        cap = float(raw)
+    except ValueError as error:
+        raise ValueError(f"{COMPARE_SECONDS_ENV}={raw!r} is not a number of seconds; unset it or give e.g. 5") from error
+    if cap < 0:
+        raise ValueError(f"{COMPARE_SECONDS_ENV}={raw!r} must be >= 0 seconds")
+    return cap
+
+
 def compare(
     ours: Callable[[], object],
     reference: Callable[[], object],
@@ -57,6 +74,11 @@ def compare(
     sync: Callable[[], None] | None = None,
 ) -> PairedResult:
     """Time `ours` and `reference` alternately; the order flips each pair so neither always runs second."""
+    if min_pairs < 1 or max_pairs < min_pairs:
+        raise ValueError(f"need 1 <= min_pairs <= max_pairs, got min_pairs={min_pairs}, max_pairs={max_pairs}")
+    cap = compare_seconds_cap()
+    if cap is not None:
+        max_seconds = min(max_seconds, cap)
     for _ in range(warmup):
         ours()
         reference()
@@ -71,7 +93,8 @@ def compare(
             t_ref, t_ours = _seconds(reference, sync), _seconds(ours, sync)
         ours_times.append(t_ours)
         ref_times.append(t_ref)
-        ratios.append(t_ref / t_ours)
+        # a clock tick of 0 s would divide by zero; the smallest positive float keeps the ratio finite-ish
+        ratios.append(t_ref / max(t_ours, 1e-12))
     return PairedResult(
         speedup_median=statistics.median(ratios),
         speedup_q25=_quantile(ratios, 0.25),
@@ -80,6 +103,16 @@ def compare(
         ours_median_s=statistics.median(ours_times),
         reference_median_s=statistics.median(ref_times),
     )
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def machine_info() -> dict:
@@ -91,20 +124,50 @@ def machine_info() -> dict:
         "threads": torch.get_num_threads(),
         "cpu_count": os.cpu_count(),
         "machine": platform.machine(),
-        "processor": platform.processor() or platform.machine(),
+        "processor": _cpu_model(),
         "python": platform.python_version(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
     }
     return info
 
 
-def write_result(name: str, payload: dict, results_dir: Path | None = None) -> Path:
-    """Write `bench/results/<name>.json` atomically, with the machine description attached."""
-    results_dir = Path(results_dir or RESULTS_DIR)
-    results_dir.mkdir(parents=True, exist_ok=True)
-    path = results_dir / f"{name}.json"
-    body = {"name": name, "machine": machine_info(), "measured_at": time.strftime("%Y-%m-%d %H:%M:%S"), **payload}
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(body, indent=2, default=float) + "\n")
+def results_dir(override: str | os.PathLike | None = None) -> Path:
+    """Where results go: the argument, else env `BENCH_RESULTS_DIR`, else `bench/results/`."""
+    chosen = override or os.environ.get(RESULTS_DIR_ENV) or RESULTS_DIR
+    return Path(chosen)
+
+
+def write_result(name: str, payload: dict, results_dir: str | os.PathLike | None = None) -> Path:
+    """Write `<results dir>/<name>.json` atomically, with the machine description attached."""
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"benchmark name {name!r} must be a plain file stem such as 'decoder'")
+    directory = _resolve_dir(results_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
+    body = {
+        "name": name,
+        "machine": machine_info(),
+        "measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        **payload,
+    }
+    tmp = path.with_suffix(f".json.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(body, indent=2, default=_jsonable) + "\n")
     os.replace(tmp, path)
     return path
+
+
+# `write_result`'s parameter shadows the function name inside it, so it resolves through this alias.
+_resolve_dir = results_dir
+
+
+def _jsonable(value: object) -> object:
+    """JSON fallback: PairedResult and dataclasses as dicts, tensors / numpy scalars as numbers."""
+    if isinstance(value, PairedResult):
+        return value.as_dict()
+    if is_dataclass(value) and not isinstance(value, type):
+        return asdict(value)
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    return float(value)

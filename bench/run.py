@@ -1,0 +1,282 @@
+"""Run the benchmarks (`python -m bench [names] [--smoke]`), each in its own bounded process, and rewrite BENCHMARKS.md."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench.harness import COMPARE_SECONDS_ENV, RESULTS_DIR, RESULTS_DIR_ENV, results_dir, write_result
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+MARKDOWN = REPO_ROOT / "BENCHMARKS.md"
+# shown in their own sections of BENCHMARKS.md, not in the table of ratios
+LIMITS_NAME = "limits"
+GPU_NAME = "gpu"
+
+
+def discover() -> list[str]:
+    """Names of all benchmarks: `bench/bench_<name>.py` gives `<name>`."""
+    return sorted(path.stem.removeprefix("bench_") for path in BENCH_DIR.glob("bench_*.py"))
+
+
+def _check_payload(name: str, payload: object) -> dict:
+    if not isinstance(payload, dict) or not isinstance(payload.get("figures"), dict) or not payload["figures"]:
+        raise TypeError(
+            f"bench/bench_{name}.py: run() must return a dict with a non-empty 'figures' dict "
+            f"(and a 'config' dict), got {type(payload).__name__}: {str(payload)[:200]}"
+        )
+    return payload
+
+
+def run_one(name: str, smoke: bool = False, out_dir: str | os.PathLike | None = None) -> Path:
+    """Run one benchmark in this process and write its result (with run time and smoke flag); return the path."""
+    module = importlib.import_module(f"bench.bench_{name}")
+    start = time.perf_counter()
+    payload = _check_payload(name, module.run(smoke=smoke))
+    elapsed = time.perf_counter() - start
+    return write_result(name, {**payload, "smoke": smoke, "elapsed_s": round(elapsed, 2)}, out_dir)
+
+
+def _run_in_child(name: str, smoke: bool, out_dir: Path, max_seconds: float, compare_seconds: float | None) -> str:
+    """Run one benchmark in a fresh interpreter, killed after `max_seconds`; return 'ok' or why not."""
+    env = dict(os.environ, **{RESULTS_DIR_ENV: str(out_dir)})
+    if compare_seconds is not None:
+        env[COMPARE_SECONDS_ENV] = str(compare_seconds)
+    command = [sys.executable, "-m", "bench.run", "--child", name, "--results-dir", str(out_dir)]
+    command += ["--smoke"] if smoke else []
+    # a new session so that a timeout kills the benchmark and anything it started, and nothing else
+    child = subprocess.Popen(command, cwd=REPO_ROOT, env=env, start_new_session=True)
+    try:
+        code = child.wait(timeout=max_seconds)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        return f"timed out after {max_seconds:g} s (raise --max-seconds or shrink the benchmark)"
+    return "ok" if code == 0 else f"failed with exit code {code} (its traceback is printed above)"
+
+
+# ---------------------------------------------------------------- rendering BENCHMARKS.md
+
+
+def _number(value: float, unit: str = "") -> str:
+    """Engineering notation for big rates (12.3 G FLOP/s), plain significant digits otherwise."""
+    if not math.isfinite(value):
+        return str(value)
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale and unit:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}".strip()
+
+
+def _is_paired(value: object) -> bool:
+    return isinstance(value, dict) and "speedup_median" in value
+
+
+def _flatten(figures: dict, prefix: str = "") -> list[tuple[str, object]]:
+    """Figures may nest ({"small": {"train": paired, "mfu": 0.4}}); leaves are paired results, values or numbers."""
+    rows: list[tuple[str, object]] = []
+    for key, value in figures.items():
+        label = f"{prefix}{key}"
+        if isinstance(value, dict) and not _is_paired(value) and "value" not in value:
+            rows += _flatten(value, f"{label}.")
+        else:
+            rows.append((label, value))
+    return rows
+
+
+def _figure_cells(value: object) -> tuple[str, str, str, str]:
+    """(result, spread, pairs, ours/reference seconds) cells for one figure."""
+    if _is_paired(value):
+        result = f"**{value['speedup_median']:.2f}×**"
+        spread = f"{value.get('speedup_q25', float('nan')):.2f}–{value.get('speedup_q75', float('nan')):.2f}×"
+        times = ""
+        if "ours_median_s" in value and "reference_median_s" in value:
+            times = f"{value['ours_median_s']:.3g} / {value['reference_median_s']:.3g}"
+        return result, spread, str(value.get("pairs", "")), times
+    if isinstance(value, dict):
+        shown = {"value", "unit", "q25", "q75", "pairs"}
+        extras = ", ".join(f"{k} {v}" for k, v in value.items() if k not in shown and not isinstance(v, (dict, list)))
+        number, unit = value["value"], value.get("unit", "")
+        text = _number(float(number), unit) if isinstance(number, (int, float)) else str(number)
+        spread = ""
+        if isinstance(value.get("q25"), (int, float)) and isinstance(value.get("q75"), (int, float)):
+            spread = f"{_number(float(value['q25']), unit)}–{_number(float(value['q75']), unit)}"
+        return text + (f" ({extras})" if extras else ""), spread, str(value.get("pairs", "")), ""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value), "", "", ""
+    return _number(float(value)), "", "", ""
+
+
+def _machine_key(machine: dict) -> str:
+    device = machine.get("cuda") or f"{machine.get('processor', '?')}, {machine.get('cpu_count', '?')} cores"
+    return f"{device}; torch {machine.get('torch', '?')}, {machine.get('threads', '?')} threads"
+
+
+def _load_results(directory: Path) -> dict[str, dict]:
+    results = {}
+    for path in sorted(directory.glob("*.json")):
+        try:
+            results[path.stem] = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as error:
+            print(f"bench: skipping unreadable result {path}: {error}", file=sys.stderr)
+    return results
+
+
+def _table(results: dict[str, dict], machines: dict[str, str]) -> list[str]:
+    """One row per figure; the ratio columns appear only when some figure is a side-by-side comparison."""
+    rows = []
+    for name, body in results.items():
+        machine = machines.setdefault(_machine_key(body.get("machine", {})), f"M{len(machines) + 1}")
+        when = f"{body.get('measured_at', '?')}, {machine}" + (" (smoke)" if body.get("smoke") else "")
+        rows += [(name, label, _figure_cells(value), when) for label, value in _flatten(body.get("figures", {}))]
+    if not rows:
+        return []
+    if any(cells[1] for _, _, cells, _ in rows):
+        lines = ["| Benchmark | Figure | Result | Spread (IQR) | Pairs | Ours / ref. median s | Measured |"]
+        lines.append("|---|---|---|---|---|---|---|")
+        lines += [f"| {n} | {label} | {' | '.join(cells)} | {when} |" for n, label, cells, when in rows]
+    else:
+        lines = ["| Benchmark | Figure | Value | Measured |", "|---|---|---|---|"]
+        lines += [f"| {n} | {label} | {cells[0]} | {when} |" for n, label, cells, when in rows]
+    return lines
+
+
+def render_markdown(directory: Path, failures: dict[str, str] | None = None) -> str:
+    """BENCHMARKS.md text from every result in `directory`: ratios with spread, limits, GPU, machines."""
+    results = _load_results(directory)
+    limits = {k: v for k, v in results.items() if k == LIMITS_NAME}
+    gpu = {k: v for k, v in results.items() if k == GPU_NAME}
+    others = {k: v for k, v in results.items() if k not in {LIMITS_NAME, GPU_NAME}}
+    machines: dict[str, str] = {}
+    out = [
+        "# Benchmarks",
+        "",
+        "Written by `python -m bench` (bench/run.py) from `bench/results/*.json`; rerun it to refresh.",
+        "Every ratio is a **speedup** = reference time ÷ our time, measured side by side in one process:",
+        "ours and the reference alternate (A B, B A, …) after a warm-up, and the table gives the median of the",
+        "pairwise ratios with its inter-quartile spread. Absolute seconds are shown only for orientation; the",
+        "machines are shared and noisy, so only the ratios are results. > 1 means ours is faster.",
+        "",
+        "## Ratios and figures",
+        "",
+    ]
+    table = _table(others, machines)
+    out += table or ["No benchmark results yet: run `python -m bench`."]
+    out += ["", "## Machine limits (measured by `bench/limits.py`)", ""]
+    limit_table = _table(limits, machines)
+    out += limit_table or ["Not measured yet: run `python -m bench limits`."]
+    out += [
+        "",
+        "MFU figures are achieved model FLOP/s ÷ the matmul peak; decode figures compare the time per token",
+        "with the bandwidth bound (weight bytes ÷ copy bandwidth, counting bytes read + written).",
+        "",
+        "## GPU (`bench/gpu.sh`)",
+        "",
+    ]
+    gpu_table = _table(gpu, machines)
+    out += gpu_table or [
+        "Not measured: no GPU was lent to the session that wrote this suite. `bench/gpu.sh` is prepared",
+        "(bf16 train-step MFU at a ~1B config with flex attention + torch.compile, and seconds per",
+        "512×512 image = 1,024 image tokens at the chameleon-7b shape with random weights and a KV cache;",
+        "under 8 minutes on one H100/H200) and only dry-run tested on CPU (`tests/bench/test_gpu_dry_run.py`).",
+    ]
+    if failures:
+        out += ["", "## Not measured in the last run", ""]
+        out += [f"- `{name}`: {why}" for name, why in sorted(failures.items())]
+    out += ["", "## Configurations", ""]
+    for name, body in results.items():
+        config = json.dumps(body.get("config", {}), separators=(", ", ": "), default=str)
+        elapsed = f", ran {body['elapsed_s']} s" if "elapsed_s" in body else ""
+        out.append(f"- **{name}**{elapsed}: `{config}`")
+    out += ["", "## Machines", ""]
+    out += [f"- {key}: {description}" for description, key in machines.items()]
+    return "\n".join(out) + "\n"
+
+
+def write_markdown(directory: Path, path: Path, failures: dict[str, str] | None = None) -> Path:
+    """Render and write BENCHMARKS.md atomically."""
+    text = render_markdown(directory, failures)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
+# ---------------------------------------------------------------- command line
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line options of `python -m bench`."""
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Run benchmarks side by side against their references and rewrite BENCHMARKS.md.",
+    )
+    parser.add_argument("names", nargs="*", help=f"benchmarks to run (default: all of {', '.join(discover())})")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds each; results go to a temp dir")
+    parser.add_argument("--max-seconds", type=float, default=300.0, help="kill a benchmark after this long (default 300)")
+    parser.add_argument(
+        "--compare-seconds", type=float, default=None,
+        help=f"cap every side-by-side comparison at this many seconds (sets {COMPARE_SECONDS_ENV})",
+    )
+    parser.add_argument("--results-dir", type=Path, default=None, help=f"where results go (default {RESULTS_DIR})")
+    parser.add_argument(
+        "--markdown", type=Path, default=None,
+        help=f"Markdown file to rewrite (default {MARKDOWN.name} at the repo root; not rewritten with --smoke unless given)",
+    )
+    parser.add_argument("--list", action="store_true", help="print the benchmark names and exit")
+    parser.add_argument("--child", metavar="NAME", help=argparse.SUPPRESS)  # internal: run one in this process
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the chosen benchmarks, each in a child process with a time limit, then rewrite the Markdown."""
+    args = parse_args(argv)
+    if args.child:
+        print(f"bench: wrote {run_one(args.child, smoke=args.smoke, out_dir=args.results_dir)}")
+        return 0
+    available = discover()
+    if args.list:
+        print("\n".join(available))
+        return 0
+    unknown = [name for name in args.names if name not in available]
+    if unknown:
+        print(f"bench: unknown benchmark(s) {', '.join(unknown)}; choose from: {', '.join(available)}", file=sys.stderr)
+        return 2
+    if args.max_seconds <= 0:
+        print(f"bench: --max-seconds must be positive, got {args.max_seconds}", file=sys.stderr)
+        return 2
+    if args.results_dir is not None:
+        out_dir = args.results_dir
+    elif args.smoke:
+        # smoke figures are meaningless as results; keep them away from bench/results
+        out_dir = Path(tempfile.mkdtemp(prefix="bench-smoke-"))
+    else:
+        out_dir = results_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    markdown = args.markdown if args.markdown is not None else (None if args.smoke else MARKDOWN)
+    failures: dict[str, str] = {}
+    for name in args.names or available:
+        print(f"bench: {name} ...", flush=True)
+        start = time.perf_counter()
+        status = _run_in_child(name, args.smoke, out_dir, args.max_seconds, args.compare_seconds)
+        print(f"bench: {name} {status} ({time.perf_counter() - start:.1f} s)", flush=True)
+        if status != "ok":
+            failures[name] = status
+    if markdown is not None:
+        print(f"bench: wrote {write_markdown(out_dir, markdown, failures)}")
+    print(f"bench: results in {out_dir}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
