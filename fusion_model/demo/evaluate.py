@@ -1,0 +1,109 @@
+"""The demo's held-out evaluation: tokenizer fidelity, understanding, generation and interleaved arithmetic."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from fusion_model.demo.datasets import EQUALS, PLUS, caption_prompt, parse_digit, pick_by_label
+from fusion_model.sampling import SamplingConfig, generate_ids
+
+
+def psnr(originals: torch.Tensor, reconstructions: torch.Tensor) -> torch.Tensor:
+    """Per-image PSNR in dB of images in [-1, 1] (peak-to-peak range 2)."""
+    mse = (originals.float() - reconstructions.float().clamp(-1, 1)).pow(2).flatten(1).mean(1)
+    return 10 * torch.log10(4.0 / mse.clamp_min(1e-10))
+
+
+def codebook_usage(codes: torch.Tensor, codebook_size: int) -> dict:
+    """How many codebook entries the codes use, and the perplexity of their distribution."""
+    counts = torch.bincount(codes.flatten().long(), minlength=codebook_size).float()
+    p = counts / counts.sum()
+    perplexity = torch.exp(-(p[p > 0] * p[p > 0].log()).sum())
+    return {"used": int((counts > 0).sum()), "size": codebook_size, "perplexity": float(perplexity)}
+
+
+def _batched(model, vocab, prompts: list[list[int]], config: SamplingConfig, batch_size: int, bar=None) -> list[list[int]]:
+    out: list[list[int]] = []
+    for i in range(0, len(prompts), batch_size):
+        out += generate_ids(model, vocab, prompts[i:i + batch_size], config)
+        if bar is not None:
+            bar.update(len(prompts[i:i + batch_size]))
+    return out
+
+
+def _image_codes(vocab, new_ids: list[list[int]], grid: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first generated image of each row as codes (N, h, w), and which rows produced a complete image."""
+    n = grid[0] * grid[1]
+    codes = torch.zeros(len(new_ids), *grid, dtype=torch.long)
+    complete = torch.zeros(len(new_ids), dtype=torch.bool)
+    for r, ids in enumerate(new_ids):
+        body = [t - vocab.image_offset for t in ids if t != vocab.boi_id and t != vocab.eoi_id][:n]
+        if len(body) == n and all(0 <= c < vocab.image_codes for c in body):
+            codes[r] = torch.tensor(body).view(*grid)
+            complete[r] = True
+    return codes, complete
+
+
+def image_sampling(settings: dict, grid: tuple[int, int], seed: int) -> SamplingConfig:
+    """Sampling settings for one generated image (temperature, top-k, CFG from the demo config)."""
+    return SamplingConfig(mode="image", image_temperature=settings["temperature"], image_top_k=settings["top_k"],
+                          cfg_scale=settings["cfg_scale"], image_grid=grid, seed=seed)
+
+
+def understanding(model, vocab, codes: torch.Tensor, labels: np.ndarray, *, batch_size: int = 250,
+                  max_new_tokens: int = 16, bar=None) -> dict:
+    """Caption held-out images (`<s> <boi> codes <eoi>` -> text, greedy) and score the digit each caption names."""
+    prompts = [vocab.encode_document([grid], bos=True, eos=False) for grid in codes]
+    config = SamplingConfig(mode="text", text_temperature=0.0, max_new_tokens=max_new_tokens,
+                            image_grid=tuple(codes.shape[1:]))
+    new_ids = _batched(model, vocab, prompts, config, batch_size, bar)
+    texts = [vocab.decode_text([t for t in ids if t != vocab.eos_id]).strip() for ids in new_ids]
+    predicted = [parse_digit(t) for t in texts]
+    correct = [p == int(y) for p, y in zip(predicted, labels)]
+    return {"texts": texts, "predicted": predicted, "accuracy": float(np.mean(correct)), "count": len(correct)}
+
+
+def generation(model, vocab, image_tokenizer, classifier, settings: dict, *, seed: int, batch_size: int = 100,
+               bar=None) -> dict:
+    """Generate `images_per_caption` images for each digit's caption; the independent classifier names each."""
+    per = int(settings["images_per_caption"])
+    targets = np.repeat(np.arange(10), per)
+    prompts = [vocab.encode_document([caption_prompt(int(d))], bos=True, eos=False) for d in targets]
+    grid = tuple(image_tokenizer.grid_shape)
+    new_ids = _batched(model, vocab, prompts, image_sampling(settings, grid, seed), batch_size, bar)
+    codes, complete = _image_codes(vocab, new_ids, grid)
+    images = image_tokenizer.decode(codes)
+    predicted = classifier.predict(images).numpy()
+    correct = (predicted == targets) & complete.numpy()
+    return {"targets": targets, "codes": codes, "images": images, "predicted": predicted,
+            "complete": complete.numpy(), "accuracy": float(correct.mean()), "count": len(targets)}
+
+
+def interleaved(model, vocab, image_tokenizer, classifier, test_codes: torch.Tensor, test_labels: np.ndarray,
+                settings: dict, *, seed: int, batch_size: int = 100, bar=None) -> dict:
+    """Prompt `<a> plus <b> equals` with held-out digit images; the classifier reads the generated answer image."""
+    from fusion_model.demo.datasets import arithmetic_pairs
+
+    rng = np.random.default_rng(seed + 1)
+    pairs = arithmetic_pairs(rng, int(settings["arithmetic_examples"]))
+    a_idx = pick_by_label(test_labels, pairs[:, 0], rng)
+    b_idx = pick_by_label(test_labels, pairs[:, 1], rng)
+    prompts = [vocab.encode_document([test_codes[a], PLUS, test_codes[b], EQUALS], bos=True, eos=False)
+               for a, b in zip(a_idx, b_idx)]
+    grid = tuple(image_tokenizer.grid_shape)
+    new_ids = _batched(model, vocab, prompts, image_sampling(settings, grid, seed + 2), batch_size, bar)
+    codes, complete = _image_codes(vocab, new_ids, grid)
+    images = image_tokenizer.decode(codes)
+    predicted = classifier.predict(images).numpy()
+    answers = pairs.sum(axis=1)
+    correct = (predicted == answers) & complete.numpy()
+    return {"pairs": pairs, "a_index": a_idx, "b_index": b_idx, "codes": codes, "images": images,
+            "predicted": predicted, "answers": answers, "accuracy": float(correct.mean()), "count": len(answers)}
+
+
+def summarize(results: dict[str, Any]) -> dict[str, float]:
+    """The evaluation table's accuracies."""
+    return {name: results[name]["accuracy"] for name in ("understanding", "generation", "interleaved") if name in results}

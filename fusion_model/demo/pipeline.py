@@ -1,0 +1,162 @@
+"""The end-to-end demo (`python train.py demo`): six resumable stages from raw digits to an HTML report.
+
+A finished stage leaves `<out>/<stage>/stage.json` (its config key, outputs, timings); a rerun reuses it
+unless the stage's configuration (or an upstream stage's) changed, or `--force` names it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CONFIG_DIR = REPO_ROOT / "configs" / "demo"
+# stage -> the config sections it reads; upstream stages' keys are folded into its own key.
+STAGES: dict[str, tuple[str, ...]] = {
+    "tokenizer": ("seed", "data", "tokenizer"),
+    "vocab": ("seed", "vocab"),
+    "shards": ("seed", "data", "shards"),
+    "train": ("seed", "train"),
+    "generate": ("seed", "data", "generate"),
+    "report": (),
+}
+UPSTREAM: dict[str, tuple[str, ...]] = {
+    "tokenizer": (),
+    "vocab": (),
+    "shards": ("tokenizer", "vocab"),
+    "train": ("shards",),
+    "generate": ("train",),
+    "report": ("generate",),
+}
+
+
+def load_config(preset: str = "full", path: str | Path | None = None, overrides: list[str] | None = None) -> dict:
+    """Read a demo YAML (a preset name from configs/demo or a path) and apply `section.key=value` overrides."""
+    file = Path(path) if path else CONFIG_DIR / f"{preset}.yaml"
+    if not file.is_file():
+        names = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+        raise FileNotFoundError(f"demo config {file} not found; presets are {names}, or pass --config PATH")
+    config = yaml.safe_load(file.read_text())
+    for item in overrides or []:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected section.key=value, e.g. train.max_minutes=2")
+        node = config
+        *parents, leaf = key.split(".")
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                raise KeyError(f"--set {item!r}: no config section {part!r}")
+            node = node[part]
+        if leaf not in node:
+            raise KeyError(f"--set {item!r}: unknown key {leaf!r}; known: {sorted(node)}")
+        node[leaf] = yaml.safe_load(raw)
+    config["_source"] = str(file)
+    return config
+
+
+def stage_key(config: dict, stage: str) -> str:
+    """A hash of everything the stage's result depends on: its config sections and its upstream stages."""
+    parts = {name: config.get(name) for name in STAGES[stage]}
+    parts["upstream"] = [stage_key(config, up) for up in UPSTREAM[stage]]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def read_marker(out_dir: Path, stage: str) -> dict | None:
+    """The finished stage's record, or None when the stage has not finished."""
+    file = out_dir / stage / "stage.json"
+    return json.loads(file.read_text()) if file.is_file() else None
+
+
+def write_json(path: Path, payload: dict) -> None:
+    """Write JSON atomically (tmp file + os.replace)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def is_fresh(out_dir: Path, config: dict, stage: str) -> bool:
+    """True when the stage finished with the current configuration."""
+    marker = read_marker(out_dir, stage)
+    return marker is not None and marker.get("key") == stage_key(config, stage)
+
+
+def run(config: dict, stages: list[str] | None = None, force: tuple[str, ...] = (), progress: bool = True,
+        log: Callable[[str], None] = print) -> dict[str, dict]:
+    """Run the requested stages in order (all by default), reusing fresh ones; return every stage's record."""
+    from fusion_model.demo import stages as impl
+
+    out_dir = Path(config["out_dir"])
+    if not out_dir.is_absolute():
+        out_dir = Path.cwd() / out_dir
+    wanted = list(STAGES) if not stages else stages
+    unknown = [s for s in wanted if s not in STAGES]
+    if unknown:
+        raise ValueError(f"unknown demo stage(s) {unknown}; stages are {list(STAGES)}")
+    records: dict[str, dict] = {}
+    for number, stage in enumerate(STAGES, start=1):
+        if stage not in wanted:
+            continue
+        for up in UPSTREAM[stage]:
+            if not is_fresh(out_dir, config, up) and up not in wanted:
+                raise RuntimeError(
+                    f"demo stage {stage!r} needs stage {up!r} finished with this configuration "
+                    f"({out_dir / up / 'stage.json'} is missing or stale); run `python train.py demo --stage {up}` first"
+                )
+        if is_fresh(out_dir, config, stage) and stage not in force:
+            records[stage] = read_marker(out_dir, stage)
+            log(f"[{number}/{len(STAGES)}] {stage}: reusing finished stage ({records[stage]['seconds']:.0f} s)")
+            continue
+        log(f"[{number}/{len(STAGES)}] {stage}: running")
+        start = time.perf_counter()
+        result = getattr(impl, f"run_{stage}")(config, out_dir, progress=progress)
+        record = {"stage": stage, "key": stage_key(config, stage), "seconds": time.perf_counter() - start,
+                  "finished_at": time.strftime("%Y-%m-%d %H:%M:%S"), **result}
+        write_json(out_dir / stage / "stage.json", record)
+        records[stage] = record
+        log(f"[{number}/{len(STAGES)}] {stage}: done in {record['seconds']:.0f} s")
+    return records
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `train.py demo` options."""
+    parser = argparse.ArgumentParser(prog="train.py demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="full", help="a config in configs/demo/ (full, smoke)")
+    parser.add_argument("--config", default=None, help="a demo YAML file instead of a preset")
+    parser.add_argument("--out", default=None, help="output directory (default: the config's out_dir)")
+    parser.add_argument("--stage", action="append", choices=list(STAGES), default=None,
+                        help="run only this stage (repeatable); its upstream stages must have finished")
+    parser.add_argument("--force", action="append", choices=list(STAGES), default=[],
+                        help="rerun this stage even if it finished (repeatable)")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override one config value, e.g. --set train.max_minutes=2")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python train.py demo`."""
+    args = build_parser().parse_args(argv)
+    try:
+        config = load_config(args.preset, args.config, args.set)
+    except (FileNotFoundError, KeyError, ValueError) as error:
+        print(f"train.py demo: {error}", file=sys.stderr)
+        return 2
+    if args.out:
+        config["out_dir"] = args.out
+    records = run(copy.deepcopy(config), args.stage, tuple(args.force), progress=not args.no_progress)
+    if "report" in records:
+        print(f"report: {records['report']['path']}")
+        for name, value in records["report"].get("summary", {}).items():
+            print(f"  {name}: {value}")
+    return 0
