@@ -1,0 +1,117 @@
+"""Write sampled sequences to disk: one PNG per image, a JSON of ids and segments, and a self-contained
+HTML page (images inlined as data URIs) showing each prompt and its continuation in order."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write bytes to `path` via a temporary file and os.replace, so readers never see half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _png_bytes(image: Image.Image) -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _describe(segments: list[Any], out_dir: Path, stem: str) -> tuple[list[dict], list[tuple[str, Any]]]:
+    """Segments → JSON entries (images saved as PNG files) and (kind, value) items for the HTML page."""
+    entries: list[dict] = []
+    shown: list[tuple[str, Any]] = []
+    n_images = 0
+    for segment in segments:
+        if isinstance(segment, str):
+            entries.append({"text": segment})
+            shown.append(("text", segment))
+            continue
+        if isinstance(segment, Image.Image):
+            image = segment
+        else:  # a path given in a prompt
+            from fusion_model.sampling import load_prompt_image
+
+            image = load_prompt_image(segment)
+        name = f"{stem}_image_{n_images}.png"
+        data = _png_bytes(image.convert("RGB"))
+        _write_atomic(out_dir / name, data)
+        entry = {"image": name, "size": list(image.size)}
+        if not isinstance(segment, Image.Image):
+            entry["source"] = str(segment)
+        entries.append(entry)
+        shown.append(("image", data))
+        n_images += 1
+    return entries, shown
+
+
+def _html_items(items: list[tuple[str, Any]]) -> str:
+    parts = []
+    for kind, value in items:
+        if kind == "text":
+            parts.append(f'<span class="text">{html.escape(value)}</span>')
+        else:
+            uri = "data:image/png;base64," + base64.b64encode(value).decode("ascii")
+            parts.append(f'<img src="{uri}" alt="image">')
+    return "".join(parts) or '<span class="empty">(nothing)</span>'
+
+
+def write_samples(
+    out_dir: str | os.PathLike,
+    samples: list[list[str | Image.Image]],
+    *,
+    prompts: list[list[Any]] | None = None,
+    ids: list[list[int]] | None = None,
+    settings: dict | None = None,
+    title: str = "Samples",
+) -> dict[str, Path]:
+    """Write `samples.json`, `index.html` and the PNGs into `out_dir`; returns the two main paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if prompts is not None and len(prompts) != len(samples):
+        raise ValueError(f"got {len(prompts)} prompts for {len(samples)} samples; give one prompt per sample")
+    if ids is not None and len(ids) != len(samples):
+        raise ValueError(f"got {len(ids)} id lists for {len(samples)} samples; give one per sample")
+    records, blocks = [], []
+    for i, segments in enumerate(samples):
+        record: dict[str, Any] = {"index": i}
+        prompt_html = ""
+        if prompts is not None:
+            record["prompt"], shown = _describe(prompts[i], out, f"sample_{i:03d}_prompt")
+            prompt_html = f'<div class="prompt">{_html_items(shown)}</div>'
+        record["output"], shown = _describe(segments, out, f"sample_{i:03d}")
+        if ids is not None:
+            record["ids"] = [int(t) for t in ids[i]]
+        records.append(record)
+        blocks.append(f'<section><h2>#{i}</h2>{prompt_html}<div class="output">{_html_items(shown)}</div></section>')
+    body = {"settings": settings or {}, "samples": records}
+    json_path, html_path = out / "samples.json", out / "index.html"
+    _write_atomic(json_path, (json.dumps(body, indent=2) + "\n").encode())
+    settings_html = html.escape(json.dumps(settings or {}, sort_keys=True))
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>
+body {{ font-family: sans-serif; max-width: 60em; margin: 2em auto; }}
+section {{ border-top: 1px solid #ccc; padding: .5em 0; }}
+.prompt {{ color: #555; background: #f4f4f4; padding: .3em; margin-bottom: .3em; }}
+.text {{ white-space: pre-wrap; }}
+img {{ display: block; margin: .3em 0; image-rendering: pixelated; min-width: 128px; }}
+code {{ font-size: 80%; }}
+</style></head><body>
+<h1>{html.escape(title)}</h1>
+<p><code>{settings_html}</code></p>
+{chr(10).join(blocks)}
+</body></html>
+"""
+    _write_atomic(html_path, page.encode())
+    return {"json": json_path, "html": html_path}
