@@ -1,0 +1,469 @@
+"""The unified early-fusion vocabulary: special tokens, then one image-code block, then byte-level BPE text.
+
+One `tokenizer.json` holds it all; the layout is read back from the token names (Chameleon's naming).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import AddedToken, Tokenizer, models
+
+from tokenizer.bpe import (
+    BYTE_ALPHABET,
+    BpeResult,
+    byte_level_decoder,
+    byte_level_pre_tokenizer,
+    prune_tokens,
+    train_bpe,
+)
+
+PAD, BOS, EOS = "<pad>", "<s>", "</s>"
+BOI, EOI = "<racm3:break>", "<eoss>"  # Chameleon's begin-image / end-image names
+SEP = "<sep>"  # separator / end-of-turn (Chameleon calls its own `<reserved08706>`)
+IMAGE_PLACEHOLDER = "<image>"  # what transformers' ChameleonProcessor expands into image tokens
+NAMED_SPECIALS = (PAD, BOS, EOS, BOI, EOI, SEP, IMAGE_PLACEHOLDER)
+DEFAULT_VOCAB_SIZE, DEFAULT_IMAGE_CODES, DEFAULT_NUM_SPECIALS = 65_536, 8_192, 16
+IMAGE_PREFIX = "IMGIMG"
+_RESERVED = re.compile(r"<reserved_\d+>")
+
+Segment = "str | torch.Tensor | np.ndarray"
+
+
+def image_token_name(code: int) -> str:
+    """Chameleon's name for image code `code`: IMGIMG + digits as letters (0->A ... 9->J) + Z; 123 -> IMGIMGBCDZ."""
+    return IMAGE_PREFIX + "".join(chr(ord("A") + int(d)) for d in str(int(code))) + "Z"
+
+
+def reserved_name(index: int) -> str:
+    """Name of the index-th reserved token (unused specials and the filler after BPE)."""
+    return f"<reserved_{index}>"
+
+
+@dataclass(frozen=True)
+class VocabLayout:
+    """Where each range lives: [0, image_offset) specials, image block, [text_offset, text_end) BPE, then filler."""
+
+    vocab_size: int
+    image_codes: int
+    image_offset: int
+    text_offset: int
+    text_end: int
+
+    @property
+    def num_text_tokens(self) -> int:
+        """Learned text tokens (256 bytes + merges)."""
+        return self.text_end - self.text_offset
+
+    @property
+    def num_filler(self) -> int:
+        """`<reserved_N>` tokens appended because BPE stopped before filling the text range."""
+        return self.vocab_size - self.text_end
+
+
+class UnifiedVocab:
+    """One id space for text and image codes, wrapping a `tokenizers.Tokenizer` (see docs/architecture.md)."""
+
+    def __init__(self, tokenizer: Tokenizer, source: str = "<memory>"):
+        self.tokenizer = tokenizer
+        # Special-token strings typed by a user ("<s>", "<image>") are text, never control ids.
+        self.tokenizer.encode_special_tokens = True
+        self.layout = _read_layout(tokenizer, source)
+        self.source = source
+        self._fingerprint: str | None = None
+        ids = {name: tokenizer.token_to_id(name) for name in NAMED_SPECIALS}
+        self.pad_id, self.bos_id, self.eos_id = ids[PAD], ids[BOS], ids[EOS]
+        self.boi_id, self.eoi_id, self.sep_id = ids[BOI], ids[EOI], ids[SEP]
+        self.image_placeholder_id = ids[IMAGE_PLACEHOLDER]
+
+    # ----- layout -------------------------------------------------------------------------------
+    vocab_size = property(lambda self: self.layout.vocab_size, doc="Total number of ids.")
+    image_codes = property(lambda self: self.layout.image_codes, doc="Size of the image codebook.")
+    image_offset = property(lambda self: self.layout.image_offset, doc="Id of image code 0.")
+    text_offset = property(lambda self: self.layout.text_offset, doc="Id of the first text token.")
+
+    def __len__(self) -> int:
+        return self.layout.vocab_size
+
+    def __repr__(self) -> str:
+        lay = self.layout
+        return (
+            f"UnifiedVocab(vocab_size={lay.vocab_size}, specials={lay.image_offset}, image_codes={lay.image_codes}, "
+            f"text={lay.num_text_tokens}, filler={lay.num_filler})"
+        )
+
+    def image_id(self, code: int) -> int:
+        """Id of image code `code`."""
+        if not 0 <= int(code) < self.image_codes:
+            raise ValueError(
+                f"image code {int(code)} is outside [0, {self.image_codes}); codes come from a codebook of that size"
+            )
+        return self.image_offset + int(code)
+
+    def token_to_id(self, name: str) -> int | None:
+        """Id of a token by its name (None when absent)."""
+        return self.tokenizer.token_to_id(name)
+
+    def id_to_token(self, token_id: int) -> str:
+        """Name of a token id."""
+        self._check_ids([token_id])
+        return self.tokenizer.id_to_token(int(token_id))
+
+    # ----- text ---------------------------------------------------------------------------------
+    def encode_text(self, text: str) -> list[int]:
+        """Byte-level BPE ids of `text` (no bos/eos); round-trips exactly through decode_text."""
+        if not isinstance(text, str):
+            raise TypeError(f"encode_text takes a str, got {type(text).__name__}")
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=False).ids
+        except Exception as error:  # lone surrogates cannot be turned into UTF-8 bytes
+            raise ValueError(
+                f"text cannot be encoded as UTF-8 ({error}); remove lone surrogate characters"
+            ) from error
+
+    def encode_text_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """encode_text over many strings at once (uses the tokenizers thread pool)."""
+        return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+    def decode_text(self, ids: Iterable[int] | torch.Tensor) -> str:
+        """Text of a run of text ids; special or image ids are an error (use decode_document for those)."""
+        ids = self._as_list(ids)
+        self._check_ids(ids)
+        bad = [i for i in ids if not self.layout.text_offset <= i < self.layout.text_end]
+        if bad:
+            raise ValueError(
+                f"decode_text got non-text id {bad[0]} ({self.tokenizer.id_to_token(bad[0])!r}); text ids are "
+                f"[{self.layout.text_offset}, {self.layout.text_end}); use decode_document for sequences with specials or images"
+            )
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    # ----- documents ----------------------------------------------------------------------------
+    def encode_document(
+        self,
+        segments: Sequence[object],
+        bos: bool = True,
+        eos: bool = True,
+        grid_shape: tuple[int, int] | None = None,
+    ) -> list[int]:
+        """`<s> text <boi> codes (raster order) <eoi> ... </s>` for segments that are str or 2-D code grids."""
+        if isinstance(segments, (str, bytes)):
+            raise TypeError("encode_document takes a list of segments; wrap a single text as [text]")
+        ids = [self.bos_id] if bos else []
+        for index, segment in enumerate(segments):
+            if isinstance(segment, str):
+                ids += self.encode_text(segment)
+            else:
+                codes = self._grid_codes(segment, index, grid_shape)
+                ids.append(self.boi_id)
+                ids += (codes + self.image_offset).tolist()
+                ids.append(self.eoi_id)
+        if eos:
+            ids.append(self.eos_id)
+        return ids
+
+    def decode_document(
+        self, ids: Iterable[int] | torch.Tensor, grid_shape: tuple[int, int] | None = None
+    ) -> list[str | torch.Tensor]:
+        """Segments of an id sequence: text strings and LongTensor code grids (pad/bos/eos dropped).
+
+        Images become `grid_shape` grids, or square grids when it is None (1-D when the count is not square).
+        Other specials (separator, placeholder, reserved) appear by name inside the text.
+        """
+        ids = self._as_list(ids)
+        self._check_ids(ids)
+        lay = self.layout
+        segments: list[str | torch.Tensor] = []
+        text: list[int] = []
+        pieces: list[str] = []  # decoded text and special names of the current text segment
+        image: list[int] | None = None
+
+        def flush_text() -> None:
+            if text:
+                pieces.append(self.tokenizer.decode(text, skip_special_tokens=False))
+                text.clear()
+
+        for position, i in enumerate(ids):
+            if image is not None:
+                if i == self.eoi_id:
+                    segments.append(self._grid_of(image, grid_shape, position))
+                    image = None
+                elif lay.image_offset <= i < lay.text_offset:
+                    image.append(i - lay.image_offset)
+                else:
+                    raise ValueError(
+                        f"id {i} ({self.tokenizer.id_to_token(i)!r}) at position {position} is inside an image "
+                        f"(after <boi>, before <eoi>) but is not an image code"
+                    )
+            elif lay.text_offset <= i < lay.text_end:
+                text.append(i)
+            elif i == self.boi_id:
+                flush_text()
+                if pieces:
+                    segments.append("".join(pieces))
+                    pieces.clear()
+                image = []
+            elif i in (self.pad_id, self.bos_id, self.eos_id):
+                continue
+            elif lay.image_offset <= i < lay.text_offset:
+                raise ValueError(f"image id {i} at position {position} is outside <boi> ... <eoi>")
+            elif i == self.eoi_id:
+                raise ValueError(f"<eoi> (id {i}) at position {position} has no matching <boi>")
+            else:
+                flush_text()
+                pieces.append(self.tokenizer.id_to_token(i))
+        if image is not None:  # an unterminated image (e.g. generation hit its length limit)
+            segments.append(self._grid_of(image, grid_shape, len(ids)))
+        flush_text()
+        if pieces:
+            segments.append("".join(pieces))
+        return segments
+
+    # ----- masks --------------------------------------------------------------------------------
+    def is_text(self, ids: torch.Tensor) -> torch.Tensor:
+        """Boolean mask of text ids (learned BPE tokens), any shape."""
+        ids = torch.as_tensor(ids)
+        return (ids >= self.layout.text_offset) & (ids < self.layout.text_end)
+
+    def is_image(self, ids: torch.Tensor) -> torch.Tensor:
+        """Boolean mask of image-code ids, any shape."""
+        ids = torch.as_tensor(ids)
+        return (ids >= self.layout.image_offset) & (ids < self.layout.text_offset)
+
+    def is_special(self, ids: torch.Tensor) -> torch.Tensor:
+        """Boolean mask of everything else: specials, reserved filler (and out-of-range ids)."""
+        return ~(self.is_text(ids) | self.is_image(ids))
+
+    def image_codes_of(self, ids: torch.Tensor) -> torch.Tensor:
+        """Image codes of image ids (ids that are not image ids give -1)."""
+        ids = torch.as_tensor(ids)
+        return torch.where(self.is_image(ids), ids - self.layout.image_offset, torch.full_like(ids, -1))
+
+    # ----- files --------------------------------------------------------------------------------
+    def fingerprint(self) -> str:
+        """A stable sha256 (hex) of the whole vocabulary: token names in id order, merges and layout."""
+        if self._fingerprint is None:
+            model = json.loads(self.tokenizer.to_str())["model"]
+            body = {
+                "layout": asdict(self.layout),
+                "tokens": [self.tokenizer.id_to_token(i) for i in range(self.vocab_size)],
+                "merges": [list(m) if isinstance(m, list) else m.split(" ", 1) for m in model["merges"]],
+                "pre_tokenizer": "byte_level_gpt2",
+            }
+            self._fingerprint = hashlib.sha256(json.dumps(body, ensure_ascii=False).encode()).hexdigest()
+        return self._fingerprint
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write one tokenizer.json atomically (temporary file, then rename); returns the path."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            self.tokenizer.save(str(tmp), pretty=True)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return path
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike,
+        expected_vocab_size: int | None = None,
+        expected_image_codes: int | None = None,
+    ) -> UnifiedVocab:
+        """Load a tokenizer.json and check its layout against the configured sizes (when given)."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"no vocabulary at {path}; train one with `python train.py vocab --out {path}`"
+            )
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as error:
+            raise ValueError(
+                f"{path} is not a valid tokenizer.json ({error}); retrain it with `python train.py vocab`"
+            ) from error
+        vocab = cls(tokenizer, source=str(path))
+        for name, expected, actual in (
+            ("vocab_size", expected_vocab_size, vocab.vocab_size),
+            ("image_codes", expected_image_codes, vocab.image_codes),
+        ):
+            if expected is not None and expected != actual:
+                raise ValueError(
+                    f"{path} has {name}={actual} but the configuration expects {name}={expected}; "
+                    f"use a vocabulary trained with {name}={expected} or change the configuration to {actual}"
+                )
+        return vocab
+
+    # ----- helpers ------------------------------------------------------------------------------
+    @staticmethod
+    def _as_list(ids: Iterable[int] | torch.Tensor) -> list[int]:
+        if isinstance(ids, (torch.Tensor, np.ndarray)):
+            return [int(i) for i in ids.reshape(-1).tolist()]
+        return [int(i) for i in ids]
+
+    def _check_ids(self, ids: Sequence[int]) -> None:
+        for position, i in enumerate(ids):
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(
+                    f"id {i} at position {position} is outside the vocabulary [0, {self.vocab_size}); "
+                    "was it produced with a different (larger) vocabulary or model head?"
+                )
+
+    def _grid_codes(self, segment: object, index: int, grid_shape: tuple[int, int] | None) -> np.ndarray:
+        """Validate an image grid and return its codes flattened in raster order."""
+        if isinstance(segment, torch.Tensor):
+            grid = segment.detach().cpu().numpy()
+        elif isinstance(segment, np.ndarray):
+            grid = segment
+        else:
+            raise TypeError(
+                f"segment {index} is a {type(segment).__name__}; segments are str or 2-D integer grids"
+            )
+        if grid.ndim != 2 or grid.size == 0:
+            raise ValueError(
+                f"image segment {index} has shape {tuple(grid.shape)}; an image is a non-empty 2-D (h, w) grid of codes"
+            )
+        if grid.dtype == np.bool_ or not np.issubdtype(grid.dtype, np.integer):
+            raise ValueError(
+                f"image segment {index} has dtype {grid.dtype}; codes must be integers (e.g. torch.long)"
+            )
+        if grid_shape is not None and tuple(grid.shape) != tuple(grid_shape):
+            raise ValueError(
+                f"image segment {index} has shape {tuple(grid.shape)} but the expected grid is {tuple(grid_shape)}"
+            )
+        low, high = int(grid.min()), int(grid.max())
+        if low < 0 or high >= self.image_codes:
+            bad = low if low < 0 else high
+            raise ValueError(
+                f"image segment {index} has code {bad} outside [0, {self.image_codes}); "
+                "the image tokenizer's codebook must not be larger than the vocabulary's image_codes"
+            )
+        return grid.astype(np.int64).reshape(-1)
+
+    def _grid_of(self, codes: list[int], grid_shape: tuple[int, int] | None, position: int) -> torch.Tensor:
+        flat = torch.tensor(codes, dtype=torch.long)
+        if grid_shape is not None:
+            h, w = grid_shape
+            if len(codes) != h * w:
+                raise ValueError(
+                    f"image ending at position {position} has {len(codes)} codes, not {h}x{w}={h * w}"
+                )
+            return flat.reshape(h, w)
+        side = math.isqrt(len(codes))
+        return flat.reshape(side, side) if side * side == len(codes) and codes else flat
+
+
+def build_unified_vocab(
+    bpe: BpeResult,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    image_codes: int = DEFAULT_IMAGE_CODES,
+    num_specials: int = DEFAULT_NUM_SPECIALS,
+) -> UnifiedVocab:
+    """Merge a trained BPE with the specials and the image block into exactly `vocab_size` ids."""
+    text_room = _text_room(vocab_size, image_codes, num_specials)
+    specials = list(NAMED_SPECIALS) + [reserved_name(i) for i in range(num_specials - len(NAMED_SPECIALS))]
+    images = [image_token_name(k) for k in range(image_codes)]
+    # No text token may look like an image token (transformers finds those by prefix) or a special/filler name.
+    taken = set(specials)
+    bpe = prune_tokens(
+        bpe, lambda t: t.startswith(IMAGE_PREFIX) or t in taken or _RESERVED.fullmatch(t) is not None
+    )
+    text = bpe.tokens[:text_room]
+    merges = bpe.merges[: max(0, len(text) - len(BYTE_ALPHABET))]
+    filler: list[str] = []
+    next_reserved = num_specials - len(NAMED_SPECIALS)
+    while len(text) + len(filler) < text_room:
+        filler.append(reserved_name(next_reserved))
+        next_reserved += 1
+    names = specials + images + text + filler
+    model = models.BPE(vocab={name: i for i, name in enumerate(names)}, merges=merges, ignore_merges=False)
+    tokenizer = Tokenizer(model)
+    tokenizer.pre_tokenizer = byte_level_pre_tokenizer()
+    tokenizer.decoder = byte_level_decoder()
+    # Registered as special so transformers treats them as control tokens; ids come from the model vocab.
+    tokenizer.add_special_tokens(
+        [AddedToken(name, special=True, normalized=False) for name in specials + filler]
+    )
+    return UnifiedVocab(tokenizer)
+
+
+def train_unified_vocab(
+    texts: Iterable[str],
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    image_codes: int = DEFAULT_IMAGE_CODES,
+    *,
+    num_specials: int = DEFAULT_NUM_SPECIALS,
+    min_frequency: int = 2,
+    show_progress: bool = False,
+    length: int | None = None,
+) -> UnifiedVocab:
+    """Train BPE on `texts` and build the unified vocabulary; small sizes (a few hundred ids) work for tests."""
+    text_room = _text_room(vocab_size, image_codes, num_specials)
+    # A few spare merges make up for any pruned by prune_reserved.
+    bpe = train_bpe(
+        texts, text_room + 64, min_frequency=min_frequency, show_progress=show_progress, length=length
+    )
+    return build_unified_vocab(bpe, vocab_size, image_codes, num_specials)
+
+
+def _text_room(vocab_size: int, image_codes: int, num_specials: int) -> int:
+    """Ids left for text; errors (with the shortfall) when not even the 256 byte tokens fit."""
+    if num_specials < len(NAMED_SPECIALS):
+        raise ValueError(
+            f"num_specials={num_specials} cannot hold the {len(NAMED_SPECIALS)} named specials {NAMED_SPECIALS}"
+        )
+    if image_codes < 1:
+        raise ValueError(f"image_codes must be at least 1, got {image_codes}")
+    room = vocab_size - num_specials - image_codes
+    if room < len(BYTE_ALPHABET):
+        short = len(BYTE_ALPHABET) - room
+        raise ValueError(
+            f"vocab_size={vocab_size} leaves {room} ids for text after {num_specials} specials and {image_codes} image "
+            f"codes, but byte-level BPE needs at least {len(BYTE_ALPHABET)}: {short} short; raise vocab_size to "
+            f"{vocab_size + short} or lower image_codes to {image_codes - short}"
+        )
+    return room
+
+
+def _read_layout(tokenizer: Tokenizer, source: str) -> VocabLayout:
+    """Recover and check the layout from token names: specials, contiguous IMGIMG block, text, filler."""
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    names = [tokenizer.id_to_token(i) for i in range(size)]
+    if any(name is None for name in names):
+        raise ValueError(
+            f"{source}: token ids are not contiguous 0..{size - 1}; this is not a unified vocabulary"
+        )
+    missing = [name for name in NAMED_SPECIALS if tokenizer.token_to_id(name) is None]
+    if missing:
+        raise ValueError(
+            f"{source}: missing special tokens {missing}; it was not made by `python train.py vocab`"
+        )
+    image_ids = [i for i, name in enumerate(names) if name.startswith(IMAGE_PREFIX)]
+    if not image_ids:
+        raise ValueError(f"{source}: has no {IMAGE_PREFIX}* image tokens; it is not a unified vocabulary")
+    offset, codes = image_ids[0], len(image_ids)
+    for code, i in enumerate(image_ids):
+        if i != offset + code or names[i] != image_token_name(code):
+            raise ValueError(
+                f"{source}: image token {names[i]!r} at id {i} breaks the contiguous image block at code {code}"
+            )
+    if max(tokenizer.token_to_id(name) for name in NAMED_SPECIALS) >= offset:
+        raise ValueError(f"{source}: special tokens must come before the image block (id {offset})")
+    text_offset = offset + codes
+    special_added = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+    text_end = size
+    while text_end > text_offset and names[text_end - 1] in special_added:
+        text_end -= 1
+    return VocabLayout(
+        vocab_size=size, image_codes=codes, image_offset=offset, text_offset=text_offset, text_end=text_end
+    )
