@@ -1,0 +1,103 @@
+"""The image tokenizer's configuration: one dataclass and named presets (chameleon, demo-64, small-128)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+QUANTIZER_MODES = ("chameleon", "improved")
+
+
+@dataclass
+class ImageTokenizerConfig:
+    """Sizes of the VQGAN (transformers' ChameleonVQVAEConfig names) and of its quantizer."""
+
+    image_size: int = 512  # square side the preprocessing produces
+    in_channels: int = 3
+    base_channels: int = 128
+    channel_multiplier: tuple[int, ...] = (1, 1, 2, 2, 4)  # one entry per level; 2**(levels-1) downsampling
+    num_res_blocks: int = 2
+    attn_resolutions: tuple[int, ...] = ()  # feature-map sides that get attention (the mid block always has one)
+    latent_channels: int = 256  # encoder output channels before quant_conv
+    dropout: float = 0.0
+    norm_groups: int = 32  # GroupNorm groups; Chameleon uses 32, tiny presets fewer
+    codebook_size: int = 8192
+    quantizer: str = "chameleon"  # "chameleon": Euclidean argmin; "improved": LlamaGen-style l2-normalised codes
+    # None means "the quantizer mode's default" (resolved in __post_init__):
+    embed_dim: int | None = None  # code dimension: latent_channels (chameleon) or 8 (improved)
+    kmeans_init: bool | None = None  # False (chameleon) / True (improved)
+    dead_code_threshold: float | None = None  # EMA cluster size under which a code is replaced: 0 / 2
+    commitment_weight: float = 0.25  # beta
+    ema_decay: float = 0.99  # EMA codebook update (synchronised across DDP ranks)
+    rotation_trick: bool = False  # False: plain straight-through estimator
+    name: str = field(default="custom", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.quantizer not in QUANTIZER_MODES:
+            raise ValueError(f"quantizer must be one of {QUANTIZER_MODES}, got {self.quantizer!r}")
+        improved = self.quantizer == "improved"
+        if self.embed_dim is None:
+            self.embed_dim = 8 if improved else self.latent_channels
+        if self.kmeans_init is None:
+            self.kmeans_init = improved
+        if self.dead_code_threshold is None:
+            self.dead_code_threshold = 2.0 if improved else 0.0
+        self.channel_multiplier = tuple(int(m) for m in self.channel_multiplier)
+        self.attn_resolutions = tuple(int(r) for r in self.attn_resolutions)
+        if self.image_size % self.downsample_factor:
+            raise ValueError(f"image_size {self.image_size} must be divisible by the downsampling factor "
+                             f"{self.downsample_factor} (2**(len(channel_multiplier)-1))")
+        widths = {self.base_channels * m for m in self.channel_multiplier}
+        if any(w % self.norm_groups for w in widths):
+            raise ValueError(f"every level width {sorted(widths)} must be divisible by norm_groups={self.norm_groups}")
+
+    @property
+    def downsample_factor(self) -> int:
+        """Pixels per code along each side (16 for Chameleon)."""
+        return 2 ** (len(self.channel_multiplier) - 1)
+
+    @property
+    def grid_shape(self) -> tuple[int, int]:
+        """Codes per image (rows, columns) at `image_size`."""
+        side = self.image_size // self.downsample_factor
+        return side, side
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-JSON form (tuples become lists)."""
+        data = dataclasses.asdict(self)
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
+
+    def to_json(self) -> str:
+        """Stable JSON text (sorted keys), also used by the fingerprint."""
+        return json.dumps(self.to_dict(), sort_keys=True, indent=2)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ImageTokenizerConfig:
+        """Build from `to_dict` output; unknown keys are an error naming them."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown image tokenizer config keys {unknown}; valid keys: {sorted(names)}")
+        return cls(**data)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> ImageTokenizerConfig:
+        """A named preset, optionally with some fields replaced (e.g. quantizer='improved')."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown image tokenizer preset {name!r}; choose one of {sorted(PRESETS)}")
+        data = {**PRESETS[name], **overrides}
+        return cls.from_dict({"name": name, **data})
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # transformers' ChameleonVQVAEConfig defaults: 512 px -> 32x32 codes, codebook 8192 x 256.
+    "chameleon": {},
+    # MNIST-like digits at 64 px -> 4x4 codes; ~1M parameters, trains on a CPU in minutes.
+    "demo-64": dict(image_size=64, base_channels=16, channel_multiplier=(1, 1, 2, 2, 4), num_res_blocks=1,
+                    latent_channels=64, norm_groups=8, codebook_size=512, quantizer="improved"),
+    # small photos at 128 px -> 8x8 codes, for CPU training runs on real photos.
+    "small-128": dict(image_size=128, base_channels=32, channel_multiplier=(1, 1, 2, 2, 4), num_res_blocks=1,
+                      latent_channels=64, norm_groups=16, codebook_size=1024, quantizer="improved"),
+}

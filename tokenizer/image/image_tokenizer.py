@@ -1,0 +1,211 @@
+"""`ImageTokenizer`: images <-> grids of codes (H/16 x W/16 integers below the codebook size), with
+save/load as config json + safetensors and import of transformers' ChameleonVQVAE weights."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from tokenizer.image.config import ImageTokenizerConfig
+from tokenizer.image.model import Decoder, Encoder
+from tokenizer.image.preprocess import ImageSource, load_batch, to_pil
+from tokenizer.image.quantizer import Quantizer
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+class TokenizerOutput(NamedTuple):
+    """What `ImageTokenizer.forward` returns."""
+
+    reconstruction: torch.Tensor  # (B, 3, H, W), unbounded: clamp only for display
+    codes: torch.LongTensor  # (B, h, w)
+    vq_loss: torch.Tensor  # commitment loss
+    latents: torch.Tensor  # (B, embed_dim, h, w) before quantisation
+
+
+class ImageTokenizer(nn.Module):
+    """Chameleon-layout VQGAN: encoder -> quant_conv -> quantize -> post_quant_conv -> decoder."""
+
+    def __init__(self, config: ImageTokenizerConfig):
+        super().__init__()
+        self.config = config
+        self.encoder = Encoder(config)
+        self.quant_conv = nn.Conv2d(config.latent_channels, config.embed_dim, kernel_size=1)
+        self.quantize = Quantizer(config)
+        self.post_quant_conv = nn.Conv2d(config.embed_dim, config.latent_channels, kernel_size=1)
+        self.decoder = Decoder(config)
+
+    @property
+    def grid_shape(self) -> tuple[int, int]:
+        """(rows, columns) of codes for one image at `config.image_size`."""
+        return self.config.grid_shape
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the weights."""
+        return self.quant_conv.weight.device
+
+    # ----- differentiable pieces (used in training) -----
+
+    def encode_latents(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Pre-quantisation latents (B, embed_dim, h, w) of pixels in [-1, 1]."""
+        return self.quant_conv(self.encoder(pixels))
+
+    def decode_latents(self, quantized: torch.Tensor) -> torch.Tensor:
+        """Pixels (unbounded) from quantized latents (B, embed_dim, h, w)."""
+        return self.decoder(self.post_quant_conv(quantized))
+
+    def forward(self, pixels: torch.Tensor) -> TokenizerOutput:
+        """Reconstruct pixels through the quantizer (straight-through gradients reach the encoder)."""
+        latents = self.encode_latents(pixels)
+        quantized, codes, vq_loss = self.quantize(latents)
+        return TokenizerOutput(self.decode_latents(quantized), codes, vq_loss, latents)
+
+    # ----- inference API -----
+
+    def _to_pixels(self, images: Any) -> torch.Tensor:
+        if isinstance(images, torch.Tensor):
+            pixels = images.unsqueeze(0) if images.dim() == 3 else images
+            if pixels.dim() != 4 or pixels.shape[1] != self.config.in_channels:
+                raise ValueError(f"expected a (B, 3, H, W) or (3, H, W) tensor, got shape {tuple(images.shape)}")
+            if not pixels.dtype.is_floating_point:
+                raise ValueError(f"pixel tensors must be float in [-1, 1], got dtype {pixels.dtype}; "
+                                 "pass PIL images or paths for uint8 data")
+            if pixels.numel() and (pixels.min() < -1.001 or pixels.max() > 1.001):
+                raise ValueError(f"pixel tensors must lie in [-1, 1], got [{float(pixels.min()):.3f}, "
+                                 f"{float(pixels.max()):.3f}]; use tokenizer.image.preprocess")
+            f = self.config.downsample_factor
+            if pixels.shape[-1] % f or pixels.shape[-2] % f:
+                raise ValueError(f"height and width must be multiples of {f}, got {tuple(pixels.shape[-2:])}")
+            return pixels
+        single = isinstance(images, str | os.PathLike | bytes | Image.Image)
+        sources: Sequence[ImageSource] = [images] if single else list(images)
+        return load_batch(sources, self.config.image_size).pixels
+
+    @torch.no_grad()
+    def encode(self, images: Any, batch_size: int = 32) -> torch.LongTensor:
+        """Codes (B, h, w) for PIL images, paths, bytes, or a float tensor (B, 3, H, W) in [-1, 1]."""
+        pixels = self._to_pixels(images)
+        dtype = self.quant_conv.weight.dtype
+        chunks = []
+        for start in range(0, pixels.shape[0], batch_size):
+            batch = pixels[start:start + batch_size].to(self.device, dtype)
+            chunks.append(self.quantize_codes(self.encode_latents(batch)))
+        if not chunks:
+            h, w = self.grid_shape
+            return torch.empty(0, h, w, dtype=torch.long, device=self.device)
+        return torch.cat(chunks)
+
+    def quantize_codes(self, latents: torch.Tensor) -> torch.LongTensor:
+        """Nearest codes for latents, without touching the EMA codebook (eval-mode quantizer)."""
+        was_training = self.quantize.training
+        self.quantize.eval()
+        try:
+            return self.quantize(latents).codes
+        finally:
+            self.quantize.train(was_training)
+
+    @torch.no_grad()
+    def decode(self, codes: torch.Tensor, batch_size: int = 32) -> torch.Tensor:
+        """Pixels (B, 3, H, W) clamped to [-1, 1] for codes (B, h, w) or (h, w); raises on out-of-range codes."""
+        codes = torch.as_tensor(codes)
+        if codes.dim() == 2:
+            codes = codes.unsqueeze(0)
+        if codes.dim() != 3:
+            raise ValueError(f"codes must have shape (B, h, w) or (h, w), got {tuple(codes.shape)}")
+        latents = self.quantize.codes_to_latents(codes.to(self.device))
+        chunks = [self.decode_latents(latents[i:i + batch_size]).clamp(-1, 1)
+                  for i in range(0, latents.shape[0], batch_size)]
+        return torch.cat(chunks) if chunks else latents.new_empty(0, 3, *[s * self.config.downsample_factor
+                                                                         for s in codes.shape[1:]])
+
+    to_pil = staticmethod(to_pil)
+
+    def fingerprint(self) -> str:
+        """SHA-256 (first 16 hex digits) over the config and every weight and codebook tensor."""
+        digest = hashlib.sha256(self.config.to_json().encode())
+        for name, tensor in sorted(self.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(str(tensor.dtype).encode())
+            digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()[:16]
+
+    # ----- persistence -----
+
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """Write config.json + model.safetensors into `directory` (each atomically)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        tmp = directory / (WEIGHTS_NAME + ".tmp")
+        save_file(state, str(tmp), metadata={"format": "pt", "fingerprint": self.fingerprint()})
+        os.replace(tmp, directory / WEIGHTS_NAME)
+        tmp = directory / (CONFIG_NAME + ".tmp")
+        tmp.write_text(self.config.to_json() + "\n")
+        os.replace(tmp, directory / CONFIG_NAME)
+        return directory
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, map_location: str | torch.device = "cpu") -> ImageTokenizer:
+        """Load a bundle written by `save_pretrained` (in eval mode)."""
+        directory = Path(directory)
+        config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+        for path in (config_path, weights_path):
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} is missing: an image tokenizer bundle needs {CONFIG_NAME} and "
+                                        f"{WEIGHTS_NAME} (write one with save_pretrained or `train.py tokenizer export`)")
+        config = ImageTokenizerConfig.from_dict(json.loads(config_path.read_text()))
+        model = cls(config)
+        state = load_file(str(weights_path), device=str(map_location))
+        model.load_state_dict(state, strict=True)
+        return model.to(map_location).eval()
+
+    @classmethod
+    def from_transformers(cls, vqvae: nn.Module, **overrides: Any) -> ImageTokenizer:
+        """Import a transformers `ChameleonVQVAE` (encoder, quant_conv, codebook, post_quant_conv).
+
+        transformers has no decoder, so ours keeps its random initialisation: codes are Chameleon's, but
+        `decode` needs a decoder trained (or loaded) separately.
+        """
+        hf = vqvae.config
+        attn = tuple(hf.attn_resolutions or ())
+        if getattr(hf, "double_latent", False):
+            raise ValueError("ChameleonVQVAE with double_latent=True is not supported (Chameleon uses False)")
+        config = ImageTokenizerConfig(
+            image_size=hf.resolution, in_channels=hf.in_channels, base_channels=hf.base_channels,
+            channel_multiplier=tuple(hf.channel_multiplier), num_res_blocks=hf.num_res_blocks,
+            attn_resolutions=attn, latent_channels=hf.latent_channels, dropout=float(hf.dropout),
+            codebook_size=hf.num_embeddings, embed_dim=hf.embed_dim, quantizer="chameleon",
+            commitment_weight=float(getattr(vqvae.quantize, "beta", 0.25)), name="chameleon-import", **overrides,
+        )
+        model = cls(config)
+        source = vqvae.state_dict()
+        ours = model.state_dict()
+        loaded = {}
+        for key, value in source.items():
+            if key == "quantize.embedding.weight":
+                continue
+            if key not in ours:  # same module names by construction
+                raise ValueError(f"unexpected ChameleonVQVAE weight {key!r}; cannot map it onto ImageTokenizer")
+            loaded[key] = value
+        model.load_state_dict(loaded, strict=False)
+        missing = {k for k in ours if k.startswith(("encoder.", "quant_conv.", "post_quant_conv."))} - set(loaded)
+        if missing:
+            raise ValueError(f"ChameleonVQVAE lacks weights for {sorted(missing)[:5]}...; configs disagree")
+        with torch.no_grad():
+            model.quantize.vq.codebook = source["quantize.embedding.weight"].to(model.quantize.codebook)
+            book = model.quantize.vq._codebook
+            book.embed_avg.copy_(book.embed)  # consistent EMA state with cluster_size = 1
+            book.cluster_size.fill_(1.0)
+            book.initted.fill_(True)
+        return model.eval()
