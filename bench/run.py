@@ -234,6 +234,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"Markdown file to rewrite (default {MARKDOWN.name} at the repo root; not rewritten with --smoke unless given)",
     )
     parser.add_argument("--list", action="store_true", help="print the benchmark names and exit")
+    parser.add_argument(
+        "--render-only", action="store_true",
+        help="run nothing; rewrite the Markdown from the results already there (e.g. after bench/gpu.sh)",
+    )
     parser.add_argument("--child", metavar="NAME", help=argparse.SUPPRESS)  # internal: run one in this process
     return parser.parse_args(argv)
 
@@ -264,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
         out_dir = results_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     markdown = args.markdown if args.markdown is not None else (None if args.smoke else MARKDOWN)
+    if args.render_only:
+        print(f"bench: wrote {write_markdown(out_dir, markdown or MARKDOWN)}")
+        return 0
     failures: dict[str, str] = {}
     for name in args.names or available:
         print(f"bench: {name} ...", flush=True)

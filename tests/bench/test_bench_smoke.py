@@ -1,0 +1,56 @@
+"""Every `bench/bench_*.py` runs in smoke mode (seconds) and yields finite figures, so no benchmark rots."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from bench import run
+from bench.harness import COMPARE_SECONDS_ENV, RESULTS_DIR, RESULTS_DIR_ENV
+
+
+def _leaves(value, label=""):
+    """Every number inside a figure, with its dotted label."""
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            yield from _leaves(inner, f"{label}.{key}" if label else str(key))
+    elif isinstance(value, (list, tuple)):
+        for i, inner in enumerate(value):
+            yield from _leaves(inner, f"{label}[{i}]")
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        yield label, value
+
+
+@pytest.fixture
+def isolated(tmp_path, monkeypatch):
+    """Results go to a temp dir, comparisons are capped short, and global torch settings are restored."""
+    monkeypatch.setenv(RESULTS_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(COMPARE_SECONDS_ENV, "1")
+    threads, dtype = torch.get_num_threads(), torch.get_default_dtype()
+    before = {p.name: p.stat().st_mtime_ns for p in RESULTS_DIR.glob("*")} if RESULTS_DIR.exists() else {}
+    yield tmp_path
+    torch.set_num_threads(threads)
+    torch.set_default_dtype(dtype)
+    after = {p.name: p.stat().st_mtime_ns for p in RESULTS_DIR.glob("*")} if RESULTS_DIR.exists() else {}
+    assert after == before, "a smoke run wrote into bench/results; use bench.harness.write_result without a dir"
+
+
+@pytest.mark.parametrize("name", run.discover())
+def test_benchmark_smoke_mode_gives_finite_figures(name, isolated):
+    path = run.run_one(name, smoke=True)
+    assert path == isolated / f"{name}.json"
+    body = json.loads(path.read_text())
+    assert body["smoke"] is True and isinstance(body.get("config", {}), dict)
+    numbers = list(_leaves(body["figures"]))
+    assert numbers, f"bench_{name}: no numeric figure in {body['figures']}"
+    bad = [(label, value) for label, value in numbers if not math.isfinite(value)]
+    assert not bad, f"bench_{name}: non-finite figures {bad}"
+    # every side-by-side comparison really timed both sides
+    for label, value in numbers:
+        if label.endswith(("ours_median_s", "reference_median_s")):
+            assert value > 0, f"bench_{name}: {label} = {value}"
+    # the table renders every figure of it
+    table = run.render_markdown(isolated)
+    for label, _ in run._flatten(body["figures"]):
+        assert f"| {name} | {label} |" in table

@@ -1,0 +1,52 @@
+"""The machine limits: FLOP and byte accounting, argument checks, and the derived MFU / decode bounds."""
+
+import pytest
+import torch
+
+import bench.limits as limits
+
+
+def test_matmul_peak_counts_two_flops_per_multiply_add(monkeypatch):
+    monkeypatch.setattr(limits, "_best_seconds", lambda fn, device, repeats, warmup: 0.5)
+    assert limits.matmul_peak_flops(size=64) == 2 * 64**3 / 0.5
+
+
+def test_copy_bandwidth_counts_bytes_read_and_written(monkeypatch):
+    monkeypatch.setattr(limits, "_best_seconds", lambda fn, device, repeats, warmup: 2.0)
+    assert limits.copy_bandwidth(nbytes=4096) == 2 * 4096 / 2.0
+
+
+def test_best_seconds_runs_the_function_and_keeps_the_fastest():
+    calls = []
+    seconds = limits._best_seconds(lambda: calls.append(1), torch.device("cpu"), repeats=3, warmup=2)
+    assert len(calls) == 5 and 0 <= seconds < 1
+
+
+def test_cpu_defaults_are_fp32_and_real_measurements_are_positive():
+    assert limits.default_device().type in {"cpu", "cuda"}
+    peak = limits.matmul_peak_flops(device="cpu", size=64, repeats=1)
+    bandwidth = limits.copy_bandwidth("cpu", nbytes=1 << 16, repeats=1)
+    assert peak > 0 and bandwidth > 0
+    # the default size outgrows the 300 MiB L3 cache of the CI hosts
+    assert 2 * limits.default_copy_bytes(torch.device("cpu")) > 300 << 20
+
+
+@pytest.mark.parametrize("bad", [dict(size=0), dict(size=-3)])
+def test_matmul_peak_rejects_nonsense_sizes(bad):
+    with pytest.raises(ValueError, match="size"):
+        limits.matmul_peak_flops(device="cpu", **bad)
+
+
+def test_copy_bandwidth_rejects_tiny_buffers():
+    with pytest.raises(ValueError, match="at least 4 bytes"):
+        limits.copy_bandwidth("cpu", nbytes=2)
+
+
+def test_mfu_and_decode_bound_arithmetic():
+    assert limits.model_flops_utilization(25e9, 100e9) == pytest.approx(0.25)
+    # 14 GB of bf16 weights at 3 TB/s: at least 4.67 ms per token
+    assert limits.decode_seconds_bound(14e9, 3e12) == pytest.approx(14e9 / 3e12)
+    with pytest.raises(ValueError):
+        limits.decode_seconds_bound(1.0, 0.0)
+    with pytest.raises(ValueError):
+        limits.model_flops_utilization(1.0, 0.0)

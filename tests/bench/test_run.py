@@ -1,0 +1,93 @@
+"""The runner: discovery, bounded child processes, and the BENCHMARKS.md table built from result files."""
+
+import json
+
+import pytest
+
+from bench import run
+from bench.harness import RESULTS_DIR, PairedResult, write_result
+
+
+def _snapshot(directory):
+    return {p.name: p.stat().st_mtime_ns for p in directory.glob("*")} if directory.exists() else {}
+
+
+def test_discover_lists_every_bench_module_by_name():
+    names = run.discover()
+    files = sorted(p.stem for p in run.BENCH_DIR.glob("bench_*.py"))
+    assert names == [f.removeprefix("bench_") for f in files]
+    assert "limits" in names
+
+
+def _fake_results(directory):
+    write_result(
+        "alpha",
+        {"figures": {"encode": PairedResult(2.0, 1.5, 2.5, 7, 0.1, 0.2).as_dict(),
+                     "medium": {"mfu": {"value": 0.41, "unit": "of peak"}, "tokens_per_s": 12345.0}},
+         "config": {"batch": 8}, "elapsed_s": 3.2},
+        directory,
+    )
+    write_result("limits", {"figures": {"matmul_peak": {"value": 2.5e11, "unit": "FLOP/s", "dtype": "float32"}},
+                            "config": {}}, directory)
+
+
+def test_markdown_shows_ratio_spread_values_limits_and_when(tmp_path):
+    _fake_results(tmp_path)
+    text = run.render_markdown(tmp_path, failures={"beta": "timed out after 5 s"})
+    rows = {line.split("|")[2].strip(): line for line in text.splitlines() if line.startswith("| alpha")}
+    assert "**2.00×**" in rows["encode"] and "1.50–2.50×" in rows["encode"] and "| 7 |" in rows["encode"]
+    assert "0.41 of peak" in rows["medium.mfu"]
+    assert "1.23e+04" in rows["medium.tokens_per_s"]
+    assert all("UTC, M1" in row for row in rows.values())
+    assert "| limits | matmul_peak | 250 GFLOP/s (dtype float32) |" in text
+    assert "- `beta`: timed out after 5 s" in text
+    assert "- M1: " in text and "torch" in text
+    assert "Not measured: no GPU" in text  # no gpu.json yet
+    assert '**alpha**, ran 3.2 s: `{"batch": 8}`' in text
+
+
+def test_markdown_gives_gpu_results_their_own_section(tmp_path):
+    write_result("gpu", {"figures": {"train_mfu": {"value": 0.45, "unit": "of peak"}}, "config": {}}, tmp_path)
+    text = run.render_markdown(tmp_path)
+    gpu_section = text.split("## GPU")[1].split("##")[0]
+    assert "| gpu | train_mfu | 0.45 of peak |" in gpu_section
+    assert "Not measured" not in gpu_section
+
+
+def test_runner_runs_a_bench_in_a_child_and_writes_results_and_markdown(tmp_path):
+    before = _snapshot(RESULTS_DIR)
+    markdown = tmp_path / "BENCH.md"
+    code = run.main(["limits", "--smoke", "--results-dir", str(tmp_path / "r"), "--markdown", str(markdown)])
+    assert code == 0
+    body = json.loads((tmp_path / "r" / "limits.json").read_text())
+    assert body["smoke"] is True and body["elapsed_s"] >= 0 and body["figures"]["matmul_peak"]["value"] > 0
+    assert "| limits | matmul_peak |" in markdown.read_text()
+    assert _snapshot(RESULTS_DIR) == before  # smoke results never land in bench/results
+
+
+def test_runner_kills_a_bench_that_overruns_its_time(tmp_path):
+    # no interpreter starts and imports torch in 10 ms, so this always overruns
+    status = run._run_in_child("limits", True, tmp_path, max_seconds=0.01, compare_seconds=None)
+    assert status.startswith("timed out after 0.01 s")
+    assert not (tmp_path / "limits.json").exists()
+
+
+def test_runner_rejects_unknown_names_and_bad_limits(tmp_path, capsys):
+    assert run.main(["no_such_bench", "--results-dir", str(tmp_path)]) == 2
+    assert "unknown benchmark" in capsys.readouterr().err
+    assert run.main(["limits", "--max-seconds", "0", "--results-dir", str(tmp_path)]) == 2
+
+
+def test_run_one_refuses_a_payload_without_figures(tmp_path, monkeypatch):
+    import bench.bench_limits as bench_limits
+
+    monkeypatch.setattr(bench_limits, "run", lambda smoke=False: {"config": {}})
+    with pytest.raises(TypeError, match="bench_limits.py.*'figures'"):
+        run.run_one("limits", smoke=True, out_dir=tmp_path)
+
+
+def test_render_only_rewrites_markdown_from_existing_results(tmp_path):
+    _fake_results(tmp_path)
+    markdown = tmp_path / "B.md"
+    assert run.main(["--render-only", "--results-dir", str(tmp_path), "--markdown", str(markdown)]) == 0
+    assert "**2.00×**" in markdown.read_text()
