@@ -164,15 +164,27 @@ def _vq_weights(image_tokenizer) -> tuple[dict | None, dict]:
     """(vq_config dict, state dict in ChameleonVQVAE names) from an image tokenizer, or (None, {})."""
     if image_tokenizer is None:
         return None, {}
-    if hasattr(image_tokenizer, "to_transformers_vq"):  # our ImageTokenizer, Chameleon layout
-        vq_config, state = image_tokenizer.to_transformers_vq()
-        return dict(vq_config), dict(state)
     if type(image_tokenizer).__name__ == "ChameleonVQVAE":
         return image_tokenizer.config.to_dict(), image_tokenizer.state_dict()
-    raise TypeError(
-        f"to_transformers: cannot export the VQ weights of a {type(image_tokenizer).__name__}; give an image "
-        "tokenizer with `to_transformers_vq() -> (vq_config, state_dict)` (Chameleon layout) or a ChameleonVQVAE"
+    config = getattr(image_tokenizer, "config", None)
+    if getattr(config, "quantizer", None) != "chameleon" or getattr(config, "norm_groups", 32) != 32:
+        raise TypeError(
+            f"to_transformers: cannot export the VQ weights of {type(image_tokenizer).__name__}: transformers' "
+            "ChameleonVQVAE needs a Chameleon-layout tokenizer (quantizer='chameleon', GroupNorm 32) "
+            "or a ChameleonVQVAE itself"
+        )
+    # our ImageTokenizer keeps transformers' module names for the encoder, quant_conv and post_quant_conv
+    state = {k: v for k, v in image_tokenizer.state_dict().items()
+             if k.startswith(("encoder.", "quant_conv.", "post_quant_conv."))}
+    state["quantize.embedding.weight"] = image_tokenizer.quantize.codebook.detach()
+    vq_config = dict(
+        embed_dim=config.embed_dim, num_embeddings=config.codebook_size, double_latent=False,
+        latent_channels=config.latent_channels, resolution=config.image_size, in_channels=config.in_channels,
+        base_channels=config.base_channels, channel_multiplier=list(config.channel_multiplier),
+        num_res_blocks=config.num_res_blocks, attn_resolutions=list(config.attn_resolutions) or None,
+        dropout=float(config.dropout),
     )
+    return vq_config, state
 
 
 def to_transformers(model: FusionModel, directory, image_tokenizer=None, vocab=None) -> Path:

@@ -1,0 +1,182 @@
+"""FusionModel invariants: shape, count, gradient reach, batch independence, packing, KV cache, masks."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from fusion_model.attention import positions_from_documents
+from fusion_model.config import PRESETS, FusionConfig, chameleon_ffn_dim
+from fusion_model.model import FusionModel
+
+
+def tiny(**overrides) -> FusionConfig:
+    return FusionConfig.from_preset("tiny", image_offset=100, image_codes=64, **overrides)
+
+
+def model_for(config: FusionConfig) -> FusionModel:
+    model = FusionModel(config)
+    with torch.no_grad():  # non-trivial norm parameters so their gradients and mapping are exercised
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def test_ffn_rule_matches_chameleon():
+    assert chameleon_ffn_dim(4096) == 11008
+    assert chameleon_ffn_dim(8192) == 22016
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_closed_form_count_equals_module_count(name):
+    config = FusionConfig.from_preset(name)
+    with torch.device("meta"):
+        model = FusionModel(config)
+    assert model.num_parameters() == config.num_parameters()
+
+
+def test_demo_preset_matches_design_size():
+    config = FusionConfig.from_preset("demo")
+    assert (config.dim, config.n_layers, config.n_heads) == (128, 4, 4)
+    assert 0.8e6 < config.num_parameters(embeddings=False) < 0.95e6
+
+
+def test_flops_per_token_is_six_n_plus_attention():
+    config = tiny()
+    matmul = config.num_parameters(embeddings=False) + config.vocab_size * config.dim
+    assert config.flops_per_token(64) == 6 * matmul + 12 * config.n_layers * config.dim * 64
+
+
+def test_config_rejects_bad_values_with_names():
+    with pytest.raises(ValueError, match="norm_placement"):
+        FusionConfig.from_preset("tiny", norm_placement="post")
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        FusionConfig.from_preset("tiny", n_kv_heads=3)
+    with pytest.raises(ValueError, match="unknown preset"):
+        FusionConfig.from_preset("huge")
+    with pytest.raises(ValueError, match="unknown fields"):
+        FusionConfig.from_dict({**tiny().to_dict(), "bogus": 1})
+    assert FusionConfig.from_dict(tiny().to_dict()) == tiny()
+
+
+@pytest.mark.parametrize("placement", ["pre", "swin"])
+def test_shapes_and_fp32_logits(placement):
+    model = FusionModel(tiny(norm_placement=placement))
+    ids = torch.randint(0, 256, (3, 10))
+    logits = model(ids)
+    assert logits.shape == (3, 10, 256) and logits.dtype == torch.float32
+    assert model.forward_hidden(ids).shape == (3, 10, 64)
+
+
+def test_out_of_vocabulary_id_is_a_clear_error():
+    model = FusionModel(tiny())
+    with pytest.raises(ValueError, match="vocab_size"):
+        model(torch.tensor([[1, 256]]))
+
+
+@pytest.mark.parametrize("placement", ["pre", "swin"])
+def test_one_backward_reaches_every_parameter(placement):
+    model = model_for(tiny(norm_placement=placement))
+    ids = torch.randint(0, 256, (2, 12))
+    docs = torch.tensor([[0] * 5 + [1] * 7, [0] * 12])
+    model.loss(ids, docs)["loss"].backward()
+    dead = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert dead == []
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    model = model_for(tiny())
+    ids = torch.randint(0, 256, (2, 12))
+    grads = []
+    for flag in (False, True):
+        model.config = dataclasses.replace(model.config, gradient_checkpointing=flag)
+        model.zero_grad()
+        model.loss(ids)["loss"].backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
+
+
+def test_batch_independence_in_eval():
+    model = model_for(tiny(dropout=0.1)).eval()
+    ids = torch.randint(0, 256, (4, 16))
+    docs = torch.tensor([[0] * 16, [0] * 8 + [1] * 8, [-1] * 4 + [0] * 12, [0] * 16])
+    with torch.no_grad():
+        together = model(ids, document_ids=docs)
+        alone = torch.cat([model(ids[i : i + 1], document_ids=docs[i : i + 1]) for i in range(4)])
+    torch.testing.assert_close(together, alone)
+
+
+def test_packed_row_equals_each_document_alone():
+    model = model_for(tiny()).eval()
+    a, b = torch.randint(0, 256, (1, 7)), torch.randint(0, 256, (1, 9))
+    packed = torch.cat([a, b], dim=1)
+    docs = torch.tensor([[0] * 7 + [1] * 9])
+    with torch.no_grad():
+        logits = model(packed, document_ids=docs)
+        torch.testing.assert_close(logits[:, :7], model(a))
+        torch.testing.assert_close(logits[:, 7:], model(b))
+
+
+def test_positions_restart_per_document_and_padding_is_finite():
+    docs = torch.tensor([[-1, -1, 0, 0, 0, 1, 1, -1]])
+    assert positions_from_documents(docs).tolist() == [[0, 1, 0, 1, 2, 0, 1, 0]]
+    model = model_for(tiny()).eval()
+    with torch.no_grad():
+        logits = model(torch.randint(0, 256, (1, 8)), document_ids=docs)
+    assert torch.isfinite(logits).all()
+
+
+def test_kv_cache_incremental_equals_full_forward_with_left_padding():
+    model = model_for(tiny()).eval()
+    ids = torch.randint(0, 256, (2, 14))
+    docs = torch.tensor([[-1, -1, -1] + [0] * 11, [0] * 6 + [1] * 8])
+    positions = positions_from_documents(docs)
+    with torch.no_grad():
+        full = model(ids, positions, docs)
+        cache = model.new_kv_cache(batch_size=2, max_len=16)
+        steps = [model(ids[:, :5], positions[:, :5], docs[:, :5], kv_cache=cache)]
+        for t in range(5, 14):  # positions left implicit: the cache continues each document's count
+            steps.append(model(ids[:, t : t + 1], document_ids=docs[:, t : t + 1], kv_cache=cache))
+    assert cache.length == 14
+    torch.testing.assert_close(torch.cat(steps, dim=1)[docs >= 0], full[docs >= 0])
+
+
+def test_greedy_decoding_with_cache_equals_without():
+    model = model_for(tiny()).eval()
+    prompt = torch.randint(0, 256, (1, 4))
+    with torch.no_grad():
+        plain = prompt
+        for _ in range(8):
+            plain = torch.cat([plain, model(plain)[:, -1:].argmax(-1)], dim=1)
+        cache = model.new_kv_cache(1, 16)
+        cached, logits = prompt, model(prompt, kv_cache=cache)
+        for _ in range(8):
+            token = logits[:, -1:].argmax(-1)
+            cached = torch.cat([cached, token], dim=1)
+            logits = model(token, kv_cache=cache)
+    assert cached.tolist() == plain.tolist()
+
+
+def test_kv_cache_overflow_is_a_clear_error():
+    model = FusionModel(tiny())
+    cache = model.new_kv_cache(1, 4)
+    with pytest.raises(ValueError, match="max_len"):
+        model(torch.randint(0, 256, (1, 5)), kv_cache=cache)
+
+
+def test_image_bidirectional_lets_an_image_see_its_own_later_codes_only():
+    config = tiny(image_bidirectional=True)
+    model = model_for(config).eval()
+    ids = torch.tensor([[1, 2, 100, 101, 102, 103, 3, 4]])  # text, 4 image codes, text
+    changed = ids.clone()
+    changed[0, 5] = 120  # the last image code
+    with torch.no_grad():
+        before, after = model(ids), model(changed)
+    assert not torch.allclose(before[0, 2], after[0, 2])  # earlier code of the same image sees it
+    torch.testing.assert_close(before[0, :2], after[0, :2])  # text before the image does not
+    causal = FusionModel(dataclasses.replace(config, image_bidirectional=False))
+    causal.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(causal.eval()(ids)[0, :5], causal(changed)[0, :5])
