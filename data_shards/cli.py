@@ -1,0 +1,150 @@
+"""`python train.py shards write|tokenize|inspect`: ingest sources, pre-tokenize, and look inside shard directories."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the `shards` command."""
+    parser = argparse.ArgumentParser(prog="train.py shards", description=__doc__)
+    sub = parser.add_subparsers(dest="action", required=True)
+
+    write = sub.add_parser("write", help="read sources into raw webdataset shards (one sample = one document)")
+    write.add_argument("out", help="output directory for raw shards (must not hold a manifest yet)")
+    write.add_argument("--image-folder", action="append", default=[], metavar="DIR",
+                       help="folder of images with sidecar NAME.txt captions (repeatable)")
+    write.add_argument("--img2dataset", action="append", default=[], metavar="TAR",
+                       help="img2dataset output tar with KEY.jpg + KEY.txt + KEY.json (repeatable)")
+    write.add_argument("--obelics", action="append", default=[], metavar="JSONL",
+                       help="OBELICS-style interleaved jsonl with 'texts' and 'images' lists (repeatable)")
+    write.add_argument("--image-root", default=None,
+                       help="folder that relative image paths in --obelics files resolve against "
+                            "(default: the jsonl's folder)")
+    write.add_argument("--text", action="append", default=[], metavar="FILE",
+                       help="text-only corpus: a .txt file (one document) or .jsonl (one per line) (repeatable)")
+    write.add_argument("--text-field", default="text", help="field holding the text in --text .jsonl files")
+    write.add_argument("--demo", action="append", default=[], choices=["digits", "photos", "text"],
+                       help="built-in offline demo data: captioned MNIST digits, scikit-image photos, "
+                            "KJV English text (repeatable)")
+    write.add_argument("--emoji-dir", default=None,
+                       help="an unpacked npm emoji-datasource-twitter package (named 64x64 emoji)")
+    write.add_argument("--demo-limit", type=int, default=None, help="at most this many documents per demo source")
+    write.add_argument("--shard-max-mb", type=float, default=256.0, help="start a new shard past this size (MB)")
+    write.add_argument("--shard-max-docs", type=int, default=10_000, help="at most this many documents per shard")
+    write.add_argument("--strict", action="store_true",
+                       help="stop at the first bad sample instead of skipping it and listing it in the manifest")
+
+    tok = sub.add_parser("tokenize", help="pre-tokenize raw shards into token shards (resumable)")
+    tok.add_argument("raw", help="raw shard directory (from `shards write`)")
+    tok.add_argument("out", help="token shard directory; a rerun skips the shards already finished there")
+    tok.add_argument("--vocab", required=True, help="unified vocabulary tokenizer.json (from `train.py vocab`)")
+    tok.add_argument("--image-tokenizer", default=None,
+                     help="trained image tokenizer directory (from `train.py tokenizer`); omit for text-only data")
+    tok.add_argument("--flip-probability", type=float, default=0.5,
+                     help="probability that a [caption, image] pair is emitted as [image, caption]")
+    tok.add_argument("--seed", type=int, default=0, help="seed of the per-document flip decisions")
+    tok.add_argument("--workers", type=int, default=1, help="processes, each tokenizing whole shards")
+    tok.add_argument("--batch-size", type=int, default=64, help="images per image-tokenizer call")
+    tok.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
+
+    ins = sub.add_parser("inspect", help="summarise a raw or token shard directory")
+    ins.add_argument("dir", help="raw or token shard directory")
+    ins.add_argument("--show", type=int, default=0, help="also print the first N documents")
+    ins.add_argument("--vocab", default=None, help="tokenizer.json to decode token shards with --show")
+    return parser
+
+
+def _write(args: argparse.Namespace) -> int:
+    from data_shards import sources
+
+    streams = [sources.image_folder(d) for d in args.image_folder]
+    if args.img2dataset:
+        streams.append(sources.img2dataset_tars(args.img2dataset))
+    streams += [sources.obelics_jsonl(p, args.image_root) for p in args.obelics]
+    if args.text:
+        streams.append(sources.text_corpus(args.text, args.text_field))
+    demos = {"digits": lambda: sources.demo_digits(args.demo_limit), "photos": sources.demo_photos,
+             "text": lambda: sources.demo_text(limit=args.demo_limit)}
+    streams += [itertools.islice(demos[name](), args.demo_limit) for name in args.demo]
+    if args.emoji_dir:
+        streams.append(itertools.islice(sources.demo_emoji(args.emoji_dir), args.demo_limit))
+    if not streams:
+        print("shards write: give at least one source (--image-folder, --img2dataset, --obelics, --text, --demo)",
+              file=sys.stderr)
+        return 2
+    manifest = sources.write_raw(itertools.chain(*streams), args.out, strict=args.strict,
+                                 shard_max_bytes=int(args.shard_max_mb * 1024 * 1024),
+                                 shard_max_docs=args.shard_max_docs)
+    print(f"wrote {manifest['documents']} documents ({manifest['images']} images) in {len(manifest['shards'])} "
+          f"shards to {args.out}; skipped {manifest['skipped_count']}")
+    for skip in manifest["skipped"][:10]:
+        print(f"  skipped {skip['key']}: {skip['reason']}")
+    return 0
+
+
+def _tokenize(args: argparse.Namespace) -> int:
+    from data_shards.pretokenize import pretokenize
+    from tokenizer.vocab import UnifiedVocab
+
+    vocab = UnifiedVocab.load(args.vocab)
+    image_tokenizer = None
+    if args.image_tokenizer:
+        from tokenizer.image import ImageTokenizer
+
+        image_tokenizer = ImageTokenizer.from_pretrained(args.image_tokenizer).eval()
+    manifest = pretokenize(args.raw, args.out, vocab, image_tokenizer, flip_probability=args.flip_probability,
+                           seed=args.seed, num_workers=args.workers, batch_size=args.batch_size,
+                           progress=not args.no_progress)
+    print(f"{manifest['documents']} documents, {manifest['tokens']} tokens, {manifest['images']} images "
+          f"in {len(manifest['shards'])} token shards at {args.out}")
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    manifest_path = Path(args.dir) / "manifest.json"
+    if not manifest_path.is_file():
+        print(f"shards inspect: {manifest_path} not found", file=sys.stderr)
+        return 2
+    kind = json.loads(manifest_path.read_text()).get("format", "")
+    if kind.startswith("early-fusion-raw"):
+        from data_shards.raw import iter_raw_shard, read_raw_manifest
+
+        manifest = read_raw_manifest(args.dir)
+        print(json.dumps({k: v for k, v in manifest.items() if k != "skipped"}, indent=2))
+        shown = 0
+        for shard in manifest["shards"]:
+            for key, segments in iter_raw_shard(Path(args.dir) / shard["name"]):
+                if shown >= args.show:
+                    return 0
+                parts = [s if isinstance(s, str) else f"<image {len(s[1])} bytes>" for s in segments]
+                print(f"{shard['name']} {key}: {parts}")
+                shown += 1
+        return 0
+    from data_shards.token_shards import TokenShard, read_manifest
+
+    manifest = read_manifest(args.dir)
+    print(json.dumps(manifest, indent=2))
+    if args.show:
+        vocab = None
+        if args.vocab:
+            from tokenizer.vocab import UnifiedVocab
+
+            vocab = UnifiedVocab.load(args.vocab)
+        shard = TokenShard(args.dir, manifest["shards"][0]["name"], manifest["vocab_size"])
+        for i in range(min(args.show, len(shard.keys))):
+            ids = shard.ids[shard.offsets[i] : shard.offsets[i + 1]].astype("int64").tolist()
+            shown = vocab.decode_document(ids, grid_shape=manifest.get("grid_shape")) if vocab else ids[:64]
+            shown = [s if isinstance(s, str) else f"<image {tuple(s.shape)}>" for s in shown] if vocab else shown
+            print(f"{shard.name} {shard.keys[i]} ({len(ids)} tokens): {shown}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python train.py shards ...`."""
+    args = build_parser().parse_args(argv)
+    return {"write": _write, "tokenize": _tokenize, "inspect": _inspect}[args.action](args)

@@ -1,0 +1,165 @@
+"""Pre-tokenize raw shards into token shards: batched image encoding, pair flipping, several processes, resumable."""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+from PIL import Image
+from tqdm import tqdm
+
+from data_shards.raw import ShardError, iter_raw_shard, read_raw_manifest
+from data_shards.token_shards import read_shard_meta, write_manifest, write_token_shard
+from tokenizer.image.preprocess import ImageLoadError, open_image
+
+# Settings that change the ids; a finished shard is reused only if they all match.
+_REUSE_FIELDS = ("vocab_fingerprint", "image_tokenizer_fingerprint", "vocab_size", "flip_probability", "seed")
+
+
+def flip_pair(key: str, seed: int, probability: float) -> bool:
+    """Whether the [text, image] pair document `key` is emitted in the other order (deterministic per key)."""
+    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < probability
+
+
+def _is_pair(segments: list) -> bool:
+    return len(segments) == 2 and sum(isinstance(s, str) for s in segments) == 1
+
+
+def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: dict, batch_size: int) -> dict:
+    """Tokenize one raw shard into the token shard of the same stem; returns the shard's meta."""
+    name = raw_path.name.removesuffix(".tar")
+    keys: list[str] = []
+    documents: list[list[int]] = []
+    pending: list[tuple[str, list]] = []
+    images_done = 0
+
+    def flush() -> None:
+        nonlocal images_done
+        images = [s for _, segments in pending for s in segments if isinstance(s, Image.Image)]
+        grids: list[torch.Tensor] = []
+        for start in range(0, len(images), batch_size):
+            with torch.inference_mode():
+                grids.extend(image_tokenizer.encode(images[start : start + batch_size]).cpu())
+        grid_iter = iter(grids)
+        for key, segments in pending:
+            segments = [next(grid_iter) if isinstance(s, Image.Image) else s for s in segments]
+            try:
+                ids = vocab.encode_document(segments, bos=True, eos=True)
+            except (ValueError, IndexError) as err:
+                raise ShardError(f"shard {raw_path.name}, key {key!r}: cannot encode document ({err})") from err
+            keys.append(key)
+            documents.append([int(i) for i in ids])
+        images_done += len(images)
+        pending.clear()
+
+    pending_images = 0
+    for key, raw_segments in iter_raw_shard(raw_path):
+        segments: list[str | Image.Image] = []
+        for segment in raw_segments:
+            if isinstance(segment, str):
+                segments.append(segment)
+                continue
+            if image_tokenizer is None:
+                raise ShardError(f"shard {raw_path.name}, key {key!r}: holds an image but no image tokenizer was given")
+            try:
+                segments.append(open_image(segment[1], name=f"{raw_path.name}:{key}"))
+            except ImageLoadError as err:
+                raise ShardError(f"shard {raw_path.name}, key {key!r}: {err}") from err
+        if _is_pair(segments) and flip_pair(key, info["seed"], info["flip_probability"]):
+            segments.reverse()
+        pending.append((key, segments))
+        pending_images += sum(isinstance(s, Image.Image) for s in segments)
+        if pending_images >= batch_size:
+            flush()
+            pending_images = 0
+    flush()
+    meta = write_token_shard(out_dir, name, keys, documents, {**info, "images": images_done, "source": raw_path.name})
+    return {k: v for k, v in meta.items() if k != "keys"}
+
+
+_WORKER: dict = {}
+
+
+def _init_worker(vocab, image_tokenizer) -> None:
+    torch.set_num_threads(1)  # one process per core; intra-op threads would oversubscribe
+    _WORKER.update(vocab=vocab, image_tokenizer=image_tokenizer)
+
+
+def _run_in_worker(raw_path: Path, out_dir: Path, info: dict, batch_size: int) -> dict:
+    return tokenize_shard(raw_path, out_dir, _WORKER["vocab"], _WORKER["image_tokenizer"], info, batch_size)
+
+
+def pretokenize(
+    raw_dir: str | Path,
+    out_dir: str | Path,
+    vocab,
+    image_tokenizer,
+    *,
+    flip_probability: float = 0.5,
+    seed: int = 0,
+    num_workers: int = 1,
+    batch_size: int = 64,
+    progress: bool = True,
+) -> dict:
+    """Turn every raw shard of `raw_dir` into a token shard in `out_dir`; returns the written manifest.
+
+    Finished shards (same vocabulary, image tokenizer, flip probability and seed) are skipped, so an
+    interrupted run resumes; each shard's files are written tmp + rename, its meta last.
+    `image_tokenizer` may be None for text-only data.
+    """
+    if not 0.0 <= flip_probability <= 1.0:
+        raise ValueError(f"flip_probability must be in [0, 1], got {flip_probability}")
+    raw_dir, out_dir = Path(raw_dir), Path(out_dir)
+    raw_manifest = read_raw_manifest(raw_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    info = {
+        "vocab_fingerprint": vocab.fingerprint(),
+        "image_tokenizer_fingerprint": image_tokenizer.fingerprint() if image_tokenizer is not None else "none",
+        "vocab_size": int(vocab.vocab_size),
+        "flip_probability": float(flip_probability),
+        "seed": int(seed),
+    }
+    metas: dict[str, dict] = {}
+    todo: list[Path] = []
+    for shard in raw_manifest["shards"]:
+        name = shard["name"].removesuffix(".tar")
+        meta = read_shard_meta(out_dir, name)
+        if meta is None:
+            todo.append(raw_dir / shard["name"])
+        elif all(meta.get(f) == info[f] for f in _REUSE_FIELDS):
+            metas[name] = {k: v for k, v in meta.items() if k != "keys"}
+        else:
+            changed = [f for f in _REUSE_FIELDS if meta.get(f) != info[f]]
+            raise ShardError(f"{out_dir}: shard {name} was tokenized with other settings ({', '.join(changed)}); "
+                             "use an empty output directory")
+    bar = tqdm(total=len(raw_manifest["shards"]), initial=len(metas), desc="tokenize", unit="shard",
+               disable=not progress)
+    if num_workers <= 1 or len(todo) <= 1:
+        for path in todo:
+            meta = tokenize_shard(path, out_dir, vocab, image_tokenizer, info, batch_size)
+            metas[meta["name"]] = meta
+            bar.update()
+    else:
+        # spawn: a forked child would inherit torch's thread pools mid-state
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(num_workers, mp_context=context, initializer=_init_worker,
+                                 initargs=(vocab, image_tokenizer)) as pool:
+            futures = [pool.submit(_run_in_worker, path, out_dir, info, batch_size) for path in todo]
+            for future in futures:
+                meta = future.result()
+                metas[meta["name"]] = meta
+                bar.update()
+    bar.close()
+    header = {
+        **{k: info[k] for k in ("vocab_fingerprint", "image_tokenizer_fingerprint", "vocab_size")},
+        "pad_id": int(vocab.pad_id),
+        "grid_shape": list(image_tokenizer.grid_shape) if image_tokenizer is not None else None,
+        "flip_probability": info["flip_probability"],
+        "seed": info["seed"],
+        "raw_skipped": raw_manifest.get("skipped_count", 0),
+    }
+    return write_manifest(out_dir, header, [metas[s["name"].removesuffix(".tar")] for s in raw_manifest["shards"]])

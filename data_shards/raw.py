@@ -1,0 +1,290 @@
+"""Raw shards: webdataset tars where one sample is one document (`KEY.json` segments + `KEY.0.png`, ...).
+
+Written atomically (tmp + rename) and read without ever unpickling or using a member name as a path.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import tarfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from PIL import Image
+
+RAW_FORMAT = "early-fusion-raw/1"
+MANIFEST = "manifest.json"
+# Extensions that some tar readers decode by unpickling (webdataset's default decoders do): never accepted.
+FORBIDDEN_EXTENSIONS = {"pyd", "pickle", "pkl", "pth", "pt", "npy", "npz", "joblib"}
+IMAGE_EXTENSIONS = {"png", "jpg", "jpeg", "webp", "bmp", "gif", "tif", "tiff"}
+_KEY_RE = re.compile(r"^[A-Za-z0-9_\-]+(/[A-Za-z0-9_\-]+)*$")
+
+
+class ShardError(ValueError):
+    """A shard (raw or token) is malformed; the message names the shard and the sample key."""
+
+
+def check_key(key: str) -> str:
+    """Return `key` if webdataset can round-trip it (no dots, no path tricks), else raise ValueError."""
+    if not isinstance(key, str) or not _KEY_RE.match(key) or len(key) > 200:
+        raise ValueError(
+            f"invalid sample key {key!r}: use letters, digits, '_', '-' (and '/' between parts), "
+            "no dots, at most 200 characters"
+        )
+    return key
+
+
+def safe_key(text: str) -> str:
+    """Turn a file name / id into a valid sample key (dots and odd characters become '_')."""
+    key = re.sub(r"[^A-Za-z0-9_\-]+", "_", text).strip("_") or "sample"
+    return key[:200]
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def write_json_atomic(path: str | Path, obj: object) -> None:
+    """Write JSON to `path` via a temporary file and os.replace (never a half-written file)."""
+    _atomic_write_bytes(Path(path), (json.dumps(obj, indent=2) + "\n").encode())
+
+
+class RawShardWriter:
+    """Context manager writing documents into size-limited raw shards plus a manifest with counts and skips.
+
+    `add(key, segments)` takes a list of `str` (text) and `PIL.Image.Image` (stored as lossless PNG);
+    `skip(key, reason)` records a sample that could not be ingested (listed in the manifest, never silent).
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        shard_max_bytes: int = 256 * 1024 * 1024,
+        shard_max_docs: int = 10_000,
+        prefix: str = "shard",
+        strict: bool = False,
+    ) -> None:
+        if shard_max_bytes <= 0 or shard_max_docs <= 0:
+            raise ValueError("shard_max_bytes and shard_max_docs must be positive")
+        self.out_dir = Path(out_dir)
+        self.shard_max_bytes = shard_max_bytes
+        self.shard_max_docs = shard_max_docs
+        self.prefix = safe_key(prefix)
+        self.strict = strict
+        self.shards: list[dict] = []
+        self.skipped: list[dict] = []
+        self.counts = {"documents": 0, "images": 0, "text_segments": 0}
+        self._keys: set[str] = set()
+        self._tar: tarfile.TarFile | None = None
+        self._tmp_path: Path | None = None
+        self._current: dict | None = None
+        self.manifest: dict | None = None
+
+    def __enter__(self) -> RawShardWriter:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if (self.out_dir / MANIFEST).exists():
+            raise FileExistsError(f"{self.out_dir} already holds raw shards ({MANIFEST}); choose an empty directory")
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            if self.manifest is None:
+                self.close()
+        else:  # leave no half-written shard behind
+            if self._tar is not None:
+                self._tar.close()
+                self._tmp_path.unlink(missing_ok=True)
+                self._tar = None
+
+    def _open_shard(self) -> None:
+        name = f"{self.prefix}-{len(self.shards):06d}.tar"
+        self._tmp_path = self.out_dir / (name + ".tmp")
+        self._tar = tarfile.open(self._tmp_path, "w")
+        self._current = {"name": name, "documents": 0, "images": 0, "bytes": 0}
+
+    def _finish_shard(self) -> None:
+        if self._tar is None:
+            return
+        self._tar.close()
+        os.replace(self._tmp_path, self.out_dir / self._current["name"])
+        self.shards.append(self._current)
+        self._tar, self._tmp_path, self._current = None, None, None
+
+    def _member(self, name: str, data: bytes) -> None:
+        info = tarfile.TarInfo(name)
+        info.size = len(data)
+        info.mtime = int(time.time())
+        info.mode = 0o644
+        self._tar.addfile(info, io.BytesIO(data))
+        self._current["bytes"] += len(data) + 512
+
+    def add(self, key: str, segments: list[str | Image.Image]) -> None:
+        """Append one document; text segments are `str`, images are PIL images (saved as PNG)."""
+        check_key(key)
+        if key in self._keys:
+            raise ValueError(f"duplicate sample key {key!r}: keys must be unique within a raw shard directory")
+        if not segments:
+            raise ValueError(f"sample {key!r} has no segments")
+        json_segments, images = [], []
+        for i, segment in enumerate(segments):
+            if isinstance(segment, str):
+                json_segments.append({"text": segment})
+            elif isinstance(segment, Image.Image):
+                buffer = io.BytesIO()
+                image = segment if segment.mode in ("RGB", "RGBA", "L") else segment.convert("RGBA")
+                image.save(buffer, format="PNG")
+                json_segments.append({"image": len(images)})
+                images.append(buffer.getvalue())
+            else:
+                raise TypeError(f"sample {key!r} segment {i}: expected str or PIL.Image, got {type(segment).__name__}")
+        body = json.dumps({"segments": json_segments}, ensure_ascii=False).encode()
+        size = len(body) + sum(len(b) for b in images)
+        if self._tar is not None and (
+            self._current["documents"] >= self.shard_max_docs
+            or self._current["bytes"] + size > self.shard_max_bytes
+        ):
+            self._finish_shard()
+        if self._tar is None:
+            self._open_shard()
+        self._member(f"{key}.json", body)
+        for index, data in enumerate(images):
+            self._member(f"{key}.{index}.png", data)
+        self._keys.add(key)
+        self._current["documents"] += 1
+        self._current["images"] += len(images)
+        self.counts["documents"] += 1
+        self.counts["images"] += len(images)
+        self.counts["text_segments"] += len(json_segments) - len(images)
+
+    def skip(self, key: str, reason: str) -> None:
+        """Record a sample that was not ingested; under `strict` this raises instead."""
+        if self.strict:
+            raise ValueError(f"sample {key!r} rejected: {reason} (run without --strict to skip and list it)")
+        self.skipped.append({"key": key, "reason": reason})
+
+    def close(self) -> dict:
+        """Finish the last shard and write `manifest.json`; returns the manifest."""
+        self._finish_shard()
+        manifest = {
+            "format": RAW_FORMAT,
+            **self.counts,
+            "skipped_count": len(self.skipped),
+            "shards": self.shards,
+            "skipped": self.skipped,
+        }
+        write_json_atomic(self.out_dir / MANIFEST, manifest)
+        self.manifest = manifest
+        return manifest
+
+
+def read_raw_manifest(raw_dir: str | Path) -> dict:
+    """Load and check a raw shard directory's manifest."""
+    path = Path(raw_dir) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: {raw_dir} is not a raw shard directory (run `shards write`)")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != RAW_FORMAT or not isinstance(manifest.get("shards"), list):
+        raise ShardError(f"{path}: not a raw shard manifest (format {manifest.get('format')!r})")
+    for shard in manifest["shards"]:
+        if not (Path(raw_dir) / shard["name"]).is_file():
+            raise ShardError(f"{path}: shard {shard['name']} is listed but missing")
+    return manifest
+
+
+def _split_member(name: str) -> tuple[str, str]:
+    """webdataset's rule: key = path up to the first dot of the base name, extension = the rest."""
+    directory, _, base = name.rpartition("/")
+    stem, dot, ext = base.partition(".")
+    return (f"{directory}/{stem}" if directory else stem), ext.lower()
+
+
+def iter_tar_samples(path: str | Path, allowed: set[str] | None = None) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """Yield (key, {extension: bytes}) from a tar, checking every member; nothing is decoded here.
+
+    Members of one sample must be adjacent (as webdataset writes them). Pickle-like members, links,
+    absolute/parent paths, duplicate members and truncated archives raise ShardError naming shard and key.
+    """
+    path = Path(path)
+    key, files, count = None, {}, 0
+    try:
+        with tarfile.open(path, "r|*") as tar:
+            for member in tar:
+                if member.isdir():
+                    continue
+                current_key, ext = _split_member(member.name)
+                where = f"shard {path.name}, key {current_key!r} (member {member.name!r})"
+                if not member.isfile():
+                    raise ShardError(f"{where}: links and special files are not allowed in shards")
+                if member.name.startswith("/") or ".." in member.name.split("/"):
+                    raise ShardError(f"{where}: absolute or parent-relative member names are not allowed")
+                last = ext.rpartition(".")[2]
+                if last in FORBIDDEN_EXTENSIONS:
+                    raise ShardError(
+                        f"{where}: .{last} members can hold pickled code and are refused; "
+                        "re-create the shard with json/txt/image members only"
+                    )
+                if allowed is not None and last not in allowed:
+                    raise ShardError(f"{where}: unexpected member type .{ext} (allowed: {sorted(allowed)})")
+                if current_key != key:
+                    if key is not None:
+                        yield key, files
+                        count += 1
+                    key, files = current_key, {}
+                if ext in files:
+                    raise ShardError(f"{where}: duplicate member")
+                handle = tar.extractfile(member)
+                data = handle.read()
+                if len(data) != member.size:
+                    raise ShardError(f"{where}: truncated member ({len(data)} of {member.size} bytes)")
+                files[ext] = data
+    except (tarfile.TarError, EOFError, OSError) as err:
+        raise ShardError(
+            f"shard {path.name}: unreadable or truncated tar after key {key!r} ({type(err).__name__}: {err}); "
+            "re-create this shard"
+        ) from err
+    if key is not None:
+        yield key, files
+        count += 1
+    if count == 0:
+        raise ShardError(f"shard {path.name}: empty shard (no samples); remove it or re-create it")
+
+
+def parse_document(shard: str, key: str, files: dict[str, bytes]) -> list[str | tuple[str, bytes]]:
+    """Check one raw sample and return its segments: `str` for text, ("image", bytes) for an image."""
+    where = f"shard {shard}, key {key!r}"
+    if "json" not in files:
+        raise ShardError(f"{where}: no .json member (members: {sorted(files)})")
+    try:
+        body = json.loads(files["json"])
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ShardError(f"{where}: .json is not valid JSON ({err})") from err
+    segments = body.get("segments") if isinstance(body, dict) else None
+    if not isinstance(segments, list) or not segments:
+        raise ShardError(f'{where}: .json must be {{"segments": [...]}} with at least one segment')
+    out: list[str | tuple[str, bytes]] = []
+    for i, segment in enumerate(segments):
+        if isinstance(segment, dict) and set(segment) == {"text"} and isinstance(segment["text"], str):
+            out.append(segment["text"])
+        elif isinstance(segment, dict) and set(segment) == {"image"} and isinstance(segment["image"], int):
+            index = segment["image"]
+            member = next((ext for ext in files if ext.partition(".")[0] == str(index)), None)
+            if member is None or member.rpartition(".")[2] not in IMAGE_EXTENSIONS:
+                raise ShardError(f"{where}: segment {i} references image {index} but no {index}.png/.jpg member exists")
+            out.append(("image", files[member]))
+        else:
+            raise ShardError(f'{where}: segment {i} must be {{"text": str}} or {{"image": int}}, got {segment!r}')
+    return out
+
+
+def iter_raw_shard(path: str | Path) -> Iterator[tuple[str, list[str | tuple[str, bytes]]]]:
+    """Yield (key, segments) from one raw shard; images stay encoded bytes (decode with open_image)."""
+    path = Path(path)
+    allowed = {"json"} | IMAGE_EXTENSIONS
+    for key, files in iter_tar_samples(path, allowed):
+        yield key, parse_document(path.name, key, files)

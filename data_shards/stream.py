@@ -1,0 +1,287 @@
+"""Packed, split and exactly resumable streaming of token shards into (B, T) batches.
+
+How it works: every document longer than `seq_len` is cut into pieces of at most `seq_len` tokens (each
+piece is its own document: positions restart at 0, it attends only to itself). Pieces are packed into
+rows ONCE, from the stored lengths only and independently of the epoch (largest piece first, topped up
+with the smallest), so the number of rows, and hence `len()`, is the same every epoch. Each epoch then
+permutes the rows with a generator seeded by (seed, epoch), pads the row count up to a multiple of
+world_size x batch_size with all-padding rows, and deals rows round-robin to ranks: every rank gets
+the same number of batches and every piece is read exactly once per epoch across the job. A rank's
+batches are dealt round-robin to DataLoader workers starting at the resume position, so the resumable
+state is just (epoch, batches consumed). Row composition does not matter to the model because
+attention never crosses a document (see `document_causal_mask`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from data_shards.token_shards import TokenShard, read_manifest
+
+
+def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean attention mask (B, T, T): query i may attend key j iff same document (>= 0) and j <= i.
+
+    A padding query (-1) attends only to itself, so no softmax row is empty (no NaN); nothing attends to it.
+    """
+    same = document_ids[:, :, None] == document_ids[:, None, :]
+    real = (document_ids >= 0)[:, :, None]
+    t = document_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=document_ids.device).tril()
+    eye = torch.eye(t, dtype=torch.bool, device=document_ids.device)
+    return (same & real & causal) | eye
+
+
+def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is not None and world_size is not None:
+        return rank, world_size
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def pack_rows(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pack pieces (each <= seq_len) into rows; returns (row_ptr, piece_ids) in CSR form.
+
+    Deterministic from `lengths` alone: the longest remaining piece opens a row, then the shortest
+    remaining pieces fill it while they fit (a cheap two-pointer heuristic for bin packing).
+    """
+    order = np.argsort(-lengths, kind="stable")
+    sizes = lengths[order].tolist()
+    row_ptr, ids = [0], []
+    lo, hi = 0, len(sizes) - 1
+    while lo <= hi:
+        used = sizes[lo]
+        ids.append(order[lo])
+        lo += 1
+        while lo <= hi and used + sizes[hi] <= seq_len:
+            used += sizes[hi]
+            ids.append(order[hi])
+            hi -= 1
+        row_ptr.append(len(ids))
+    return np.asarray(row_ptr, dtype=np.int64), np.asarray(ids, dtype=np.int64)
+
+
+class PackedTokenStream(IterableDataset):
+    """Batches {input_ids, document_ids, position_ids} (LongTensors (B, T)) from a token shard directory.
+
+    One pass is one epoch of `len(self)` batches for this rank; `set_epoch(e)` chooses the shuffle.
+    Use `make_dataloader` for exact resume with workers (and under Lightning).
+    """
+
+    def __init__(
+        self,
+        token_dir: str | Path,
+        seq_len: int,
+        batch_size: int,
+        *,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        shuffle: bool = True,
+        check_ids: bool = True,
+    ) -> None:
+        super().__init__()
+        if seq_len < 1 or batch_size < 1:
+            raise ValueError(f"seq_len and batch_size must be positive, got {seq_len}, {batch_size}")
+        self.token_dir = Path(token_dir)
+        self.manifest = read_manifest(token_dir)
+        self.seq_len, self.batch_size, self.seed, self.shuffle = seq_len, batch_size, seed, shuffle
+        self.rank, self.world_size = rank, world_size
+        self.check_ids = check_ids
+        self.vocab_size, self.pad_id = self.manifest["vocab_size"], self.manifest["pad_id"]
+        self.shard_names = [s["name"] for s in self.manifest["shards"]]
+        # The document table needs only the offsets (small); ids stay on disk until a batch needs them.
+        shard_of, starts, lengths = [], [], []
+        for index, shard in enumerate(self._open_shards()):
+            shard_of.append(np.full(len(shard.keys), index, dtype=np.int32))
+            starts.append(shard.offsets[:-1])
+            lengths.append(shard.lengths)
+        doc_shard, doc_start, doc_len = np.concatenate(shard_of), np.concatenate(starts), np.concatenate(lengths)
+        keep = doc_len > 0
+        doc_shard, doc_start, doc_len = doc_shard[keep], doc_start[keep], doc_len[keep]
+        # Long documents become pieces of at most seq_len tokens.
+        pieces = -(-doc_len // seq_len)
+        piece_doc = np.repeat(np.arange(len(doc_len)), pieces)
+        first = np.cumsum(pieces) - pieces
+        within = np.arange(len(piece_doc)) - np.repeat(first, pieces)
+        self.piece_shard = doc_shard[piece_doc]
+        self.piece_start = doc_start[piece_doc] + within * seq_len
+        self.piece_len = np.minimum(seq_len, doc_len[piece_doc] - within * seq_len)
+        self.num_documents = int(len(doc_len))
+        self.row_ptr, self.row_pieces = pack_rows(self.piece_len, seq_len)
+        self.num_rows = len(self.row_ptr) - 1
+        self.epoch = 0
+        self._start_batch = 0
+        self._consumed = 0
+        self._shards: list[TokenShard] | None = None  # opened lazily in each process
+
+    def _open_shards(self) -> list[TokenShard]:
+        return [TokenShard(self.token_dir, name, self.vocab_size) for name in self.shard_names]
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_shards"] = None  # memmaps are reopened in the worker, never copied
+        return state
+
+    # -- epoch layout --------------------------------------------------------------------------------
+    def world(self) -> tuple[int, int]:
+        """(rank, world_size): given ones, else torch.distributed's, else RANK / WORLD_SIZE, else (0, 1)."""
+        rank, world = _resolve_rank(self.rank, self.world_size)
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is outside world_size {world}")
+        return rank, world
+
+    def __len__(self) -> int:
+        """Batches per epoch for this rank (the same on every rank and in every epoch)."""
+        _, world = self.world()
+        return -(-self.num_rows // (world * self.batch_size))
+
+    def row_order(self, epoch: int) -> np.ndarray:
+        """All row indices of `epoch` in dealing order, padded with -1 (an all-padding row)."""
+        rows = np.arange(self.num_rows)
+        if self.shuffle:
+            rows = np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
+        _, world = self.world()
+        total = len(self) * world * self.batch_size
+        return np.concatenate([rows, np.full(total - self.num_rows, -1, dtype=rows.dtype)])
+
+    def batch_rows(self, epoch: int, batch: int, order: np.ndarray | None = None) -> np.ndarray:
+        """Row indices of this rank's batch number `batch` in `epoch` (-1 = padding row)."""
+        rank, world = self.world()
+        order = self.row_order(epoch) if order is None else order
+        slots = (batch * self.batch_size + np.arange(self.batch_size)) * world + rank
+        return order[slots]
+
+    # -- position ------------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next pass at the beginning of `epoch`."""
+        self.set_position(epoch, 0)
+
+    def set_position(self, epoch: int, batches_consumed: int) -> None:
+        """Start the next pass at batch `batches_consumed` of `epoch` (and fix rank/world for workers)."""
+        self.rank, self.world_size = self.world()
+        self.epoch, self._start_batch, self._consumed = int(epoch), int(batches_consumed), int(batches_consumed)
+
+    def signature(self) -> str:
+        """A hash of what fixes the batch layout (data, seq_len, batch size, seed, shuffle, world size)."""
+        _, world = self.world()
+        text = repr((self.manifest["shards"], self.manifest["vocab_fingerprint"], self.seq_len, self.batch_size,
+                     self.seed, self.shuffle, world))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def state_dict(self) -> dict:
+        """Position after the batches this process has yielded (use make_dataloader's with workers)."""
+        return {"epoch": self.epoch, "batches_consumed": self._consumed, "signature": self.signature()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume exactly at a state from `state_dict()`; refuses a state of another data/layout."""
+        if state.get("signature") != self.signature():
+            raise ValueError(
+                "loader state was saved for other data or settings (shards, seq_len, batch_size, seed, shuffle "
+                "or world size differ); exact resume is impossible: start a new epoch with set_epoch instead"
+            )
+        self.set_position(state["epoch"], state["batches_consumed"])
+
+    # -- batches -------------------------------------------------------------------------------------
+    def make_batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
+        """Materialise rows (indices into the packing; -1 = padding) as the batch dict."""
+        if self._shards is None:
+            self._shards = self._open_shards()
+        b, t = len(rows), self.seq_len
+        input_ids = np.full((b, t), self.pad_id, dtype=np.int64)
+        document_ids = np.full((b, t), -1, dtype=np.int64)
+        position_ids = np.zeros((b, t), dtype=np.int64)
+        for i, row in enumerate(rows.tolist()):
+            if row < 0:
+                continue
+            pieces = self.row_pieces[self.row_ptr[row] : self.row_ptr[row + 1]]
+            cursor = 0
+            for doc, piece in enumerate(pieces.tolist()):
+                shard = self._shards[self.piece_shard[piece]]
+                start, length = int(self.piece_start[piece]), int(self.piece_len[piece])
+                chunk = shard.ids[start : start + length]
+                if self.check_ids and int(chunk.max()) >= self.vocab_size:
+                    shard.check_ids(start, start + length)
+                input_ids[i, cursor : cursor + length] = chunk
+                document_ids[i, cursor : cursor + length] = doc
+                position_ids[i, cursor : cursor + length] = np.arange(length)
+                cursor += length
+        return {
+            "input_ids": torch.from_numpy(input_ids),
+            "document_ids": torch.from_numpy(document_ids),
+            "position_ids": torch.from_numpy(position_ids),
+        }
+
+    def __iter__(self):
+        worker = get_worker_info()
+        worker_id, workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
+        epoch, start = self.epoch, self._start_batch
+        order = self.row_order(epoch)
+        # Batch j (j >= start) goes to worker (j - start) % workers: DataLoader pulls workers round-robin,
+        # so the batches come out in order j = start, start + 1, ... whatever the worker count.
+        for batch in range(start + worker_id, len(self), workers):
+            out = self.make_batch(self.batch_rows(epoch, batch, order))
+            if worker is None:
+                self._consumed = batch + 1
+            yield out
+
+
+class ResumableDataLoader(DataLoader):
+    """A DataLoader over a PackedTokenStream whose `state_dict()` is exact, with or without workers.
+
+    It counts the batches handed to the consumer in the main process, so worker prefetching never
+    shifts the state. Each new `iter()` starts the next epoch, except the first one and the first one
+    after `load_state_dict` / `set_epoch`, which start at the stored position.
+
+    Lightning 2.6 (read in loops/fit_loop.py, utilities/combined_loader.py, loops/fetchers.py): the fit
+    loop saves `state_dict()` of every train DataLoader that has state_dict/load_state_dict into the
+    checkpoint ("combined_loader") and calls `load_state_dict` in `FitLoop.setup_data` before creating the
+    iterator. Because this loader has a `len`, Lightning does not prefetch a batch ahead (it prefetches
+    only when the length is unknown), so the saved count equals the batches trained on. Lightning does not
+    call `set_epoch` on an IterableDataset; the epoch advances here on each new `iter()`. Caveat (Lightning
+    issue 20550): if `configure_optimizers` calls `trainer.estimated_stepping_batches`, the train loader
+    is set up before the checkpoint is restored and its state is silently dropped; compute total steps
+    from `len(loader)` or `max_steps` instead.
+    """
+
+    def __init__(self, stream: PackedTokenStream, num_workers: int = 0, **kwargs) -> None:
+        if kwargs.get("persistent_workers"):
+            raise ValueError("persistent_workers would keep stale positions in the workers; leave it off")
+        super().__init__(stream, batch_size=None, num_workers=num_workers, **kwargs)
+        self._epoch, self._consumed, self._fresh = stream.epoch, 0, True
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next `iter()` start at the beginning of `epoch`."""
+        self._epoch, self._consumed, self._fresh = int(epoch), 0, True
+
+    def __iter__(self):
+        if not self._fresh:
+            self._epoch, self._consumed = self._epoch + 1, 0
+        self._fresh = False
+        if self._consumed >= len(self.dataset):  # resumed from the end of an epoch
+            self._epoch, self._consumed = self._epoch + 1, 0
+        self.dataset.set_position(self._epoch, self._consumed)
+        for batch in super().__iter__():
+            self._consumed += 1
+            yield batch
+
+    def state_dict(self) -> dict:
+        """(epoch, batches consumed) plus a signature of the batch layout."""
+        return {"epoch": self._epoch, "batches_consumed": self._consumed, "signature": self.dataset.signature()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Make the next `iter()` yield exactly the batches that followed `state`."""
+        self.dataset.load_state_dict(state)
+        self._epoch, self._consumed, self._fresh = int(state["epoch"]), int(state["batches_consumed"]), True
+
+
+def make_dataloader(stream: PackedTokenStream, num_workers: int = 0, **kwargs) -> ResumableDataLoader:
+    """A DataLoader with exact `state_dict()` / `load_state_dict()` resume (batches are built by the stream)."""
+    return ResumableDataLoader(stream, num_workers=num_workers, **kwargs)

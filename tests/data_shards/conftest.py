@@ -1,0 +1,63 @@
+"""Builders shared by the data_shards tests (fixture `tok`): token shard directories with known documents."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from data_shards.token_shards import write_manifest, write_token_shard
+
+VOCAB_SIZE = 1000
+PAD_ID = 0
+
+
+def make_documents(count: int, seed: int = 0, min_len: int = 2, max_len: int = 20) -> list[list[int]]:
+    """Documents whose first token is unique (1 + index) so any document can be told apart."""
+    rng = np.random.default_rng(seed)
+    docs = []
+    for i in range(count):
+        body = rng.integers(1, VOCAB_SIZE, size=int(rng.integers(min_len, max_len + 1)) - 1).tolist()
+        docs.append([1 + i] + body)
+    return docs
+
+
+def make_token_dir(path: Path, documents: list[list[int]], per_shard: int = 7, vocab_size: int = VOCAB_SIZE) -> Path:
+    """Write `documents` as token shards (keys doc-<i>) plus a manifest, returning the directory."""
+    path.mkdir(parents=True, exist_ok=True)
+    info = {"vocab_fingerprint": "test-vocab", "image_tokenizer_fingerprint": "none", "vocab_size": vocab_size}
+    metas = []
+    for n, start in enumerate(range(0, len(documents), per_shard)):
+        chunk = documents[start : start + per_shard]
+        keys = [f"doc-{start + i}" for i in range(len(chunk))]
+        metas.append(write_token_shard(path, f"shard-{n:06d}", keys, chunk, {**info, "images": 0}))
+    write_manifest(path, {**info, "pad_id": PAD_ID}, metas)
+    return path
+
+
+def rows_to_documents(batch: dict) -> list[tuple[int, ...]]:
+    """Cut each row back into its documents (by document_ids); padding is dropped."""
+    out = []
+    for ids, docs in zip(batch["input_ids"].tolist(), batch["document_ids"].tolist()):
+        current, last = [], None
+        for token, doc in zip(ids, docs):
+            if doc != last and current:
+                out.append(tuple(current))
+                current = []
+            if doc >= 0:
+                current.append(token)
+            last = doc
+        if current:
+            out.append(tuple(current))
+    return out
+
+
+@pytest.fixture
+def tok() -> types.SimpleNamespace:
+    """The builders above, as one fixture (test modules cannot import conftest under importlib mode)."""
+    return types.SimpleNamespace(
+        make_documents=make_documents, make_token_dir=make_token_dir, rows_to_documents=rows_to_documents,
+        VOCAB_SIZE=VOCAB_SIZE, PAD_ID=PAD_ID,
+    )
