@@ -1,0 +1,216 @@
+"""FusionLightningModule: pretraining of the fused decoder (Chameleon's recipe) under any Lightning strategy."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import lightning as L
+import torch
+
+from fusion_model.checkpointing import rng_state, set_rng_state
+from fusion_model.config import FusionConfig
+from fusion_model.model import FusionModel
+from fusion_model.optim import WarmupDecay, build_adamw, build_scheduler
+
+NONFINITE_POLICIES = ("stop", "skip")
+
+
+class NonFiniteLossError(RuntimeError):
+    """Training met a NaN/inf loss or gradient norm and `nonfinite='stop'`."""
+
+
+class FusionLightningModule(L.LightningModule):
+    """Next-token pretraining on packed batches (`input_ids`, `document_ids`, `position_ids`, each (B, T)).
+
+    The loss of a micro-batch is normalised by the number of targets over ALL data-parallel ranks, so
+    one process with the global batch and N processes with 1/N of it each compute the same gradient.
+    """
+
+    def __init__(
+        self,
+        config: FusionConfig | None = None,
+        lr: float = 1e-4,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-5,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 4000,
+        lr_schedule: str = "exponential",
+        decay_steps: int | None = None,
+        min_lr_ratio: float = 0.01,
+        text_weight: float = 1.0,
+        image_weight: float = 1.0,
+        activation_checkpointing: bool = False,
+        compile: bool = False,
+        loss_chunk_size: int = 4096,
+        nonfinite: str = "stop",
+    ) -> None:
+        """`config` is the decoder (a FusionConfig or its dict); the rest is the recipe (defaults: Chameleon's).
+
+        decay_steps: where the lr reaches `min_lr_ratio` x lr (default: trainer.max_steps).
+        nonfinite: "stop" raises NonFiniteLossError naming the step and batch (no checkpoint is written
+        for that step, so the last one stays good); "skip" drops that optimizer step and counts it.
+        """
+        super().__init__()
+        if config is None:
+            config = FusionConfig.from_preset("tiny")
+        if isinstance(config, dict):
+            config = FusionConfig.from_dict(config)
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite={nonfinite!r}: choose one of {NONFINITE_POLICIES}")
+        config = dataclasses.replace(config, gradient_checkpointing=config.gradient_checkpointing or activation_checkpointing)
+        # hparams hold only plain values (the config as a dict) so checkpoints load with weights_only=True
+        self.save_hyperparameters(ignore=["config"])
+        self.hparams["config"] = config.to_dict()
+        self.model_config = config
+        self.model = FusionModel(config)
+        self.skipped_steps = 0
+        self._bad_in_window = False
+        self._rng_to_restore: dict[str, torch.Tensor] | None = None
+        self._sharded = False
+
+    # ---- model wrapping (FSDP2 / compile), called by Lightning inside the strategy's init context ----
+    def configure_model(self) -> None:
+        """Apply torch.compile and, under ModelParallelStrategy, FSDP2 `fully_shard` per block and at the root."""
+        if self._sharded:
+            return
+        self._sharded = True
+        if self.hparams.compile:
+            for block in self.model.layers:
+                block.compile()  # in place: parameter names (and so checkpoints) do not change
+        mesh = getattr(self, "_device_mesh", None)
+        if mesh is None:
+            return
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+        if "tensor_parallel" in mesh.mesh_dim_names and mesh["tensor_parallel"].size() > 1:
+            raise ValueError(
+                f"this model has no tensor parallelism; set trainer.strategy.init_args.tensor_parallel_size=1 and "
+                f"data_parallel_size={mesh.size()} (now tensor_parallel_size={mesh['tensor_parallel'].size()})"
+            )
+        dp_mesh = mesh["data_parallel"] if "data_parallel" in mesh.mesh_dim_names else mesh
+        for block in self.model.layers:
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(self.model, mesh=dp_mesh)
+        register_fsdp_forward_method(self.model, "loss")  # root params are gathered around model.loss too
+
+    # ---- training ----------------------------------------------------------------------------------
+    def _losses(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.model.loss(
+            batch["input_ids"], batch["document_ids"], batch.get("position_ids"),
+            text_weight=self.hparams.text_weight, image_weight=self.hparams.image_weight,
+            chunk_size=self.hparams.loss_chunk_size,
+        )
+
+    def _weight(self, out: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The loss's denominator on this rank: modality-weighted number of targets."""
+        return (out["n_text_targets"] * self.hparams.text_weight + out["n_image_targets"] * self.hparams.image_weight).float()
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Loss of one micro-batch, scaled so that the data-parallel mean of gradients is the global token mean."""
+        if self._rng_to_restore is not None:  # first batch after a resume: continue the saved RNG streams
+            set_rng_state(self._rng_to_restore)
+            self._rng_to_restore = None
+        out = self._losses(batch)
+        loss = out["loss"]
+        weight = self._weight(out)
+        # one collective for both: the global target weight and whether any rank saw a non-finite loss
+        stats = torch.stack([weight, (~torch.isfinite(loss.detach())).float()])
+        stats = self.trainer.strategy.reduce(stats, reduce_op="sum") if self.trainer.world_size > 1 else stats
+        global_weight, bad_ranks = stats[0], int(stats[1].item())
+        if bad_ranks:
+            self._nonfinite(f"loss {loss.item()} on this rank ({bad_ranks} rank(s) non-finite)", batch_idx)
+            # skip: a zero loss hanging off every parameter keeps DDP/FSDP collectives in step; the
+            # optimizer step itself is dropped in configure_gradient_clipping
+            self._bad_in_window = True
+            return sum(p.sum() for p in self.parameters()) * 0.0
+        scale = weight * self.trainer.world_size / global_weight.clamp_min(1e-12)
+        self.log_dict(
+            {
+                "train/loss": loss.detach(),
+                "train/ce": out["ce"].detach(),
+                "train/text_loss": out["text_loss"],
+                "train/image_loss": out["image_loss"],
+                "train/z_loss": out["z_loss"].detach(),
+            },
+            on_step=True, on_epoch=False, prog_bar=False,
+        )
+        self.log("loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True, logger=False)
+        return loss * scale
+
+    def _nonfinite(self, what: str, batch_idx: int) -> None:
+        """Stop with a message naming step and batch, or (skip policy) count and carry on."""
+        if self.hparams.nonfinite == "stop":
+            callback = self.trainer.checkpoint_callback
+            last = getattr(callback, "last_model_path", "") or getattr(callback, "best_model_path", "") or "none yet"
+            raise NonFiniteLossError(
+                f"non-finite {what} at optimizer step {self.global_step}, batch {batch_idx} of epoch "
+                f"{self.current_epoch}; training stopped and no checkpoint was written for this step. "
+                f"Last good checkpoint: {last}. Resume from it with a lower model.lr / tighter "
+                f"trainer.gradient_clip_val, or set model.nonfinite=skip to drop such steps."
+            )
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        """Clip the global grad norm (DTensor-aware, so FSDP2 works too), log it, and drop non-finite steps."""
+        params = [p for p in self.parameters() if p.grad is not None]
+        max_norm = float(gradient_clip_val) if gradient_clip_val else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        if not torch.isfinite(norm) and not self._bad_in_window:
+            self._nonfinite(f"gradient norm {norm.item()}", -1)
+            self._bad_in_window = True
+        if self._bad_in_window:  # skip policy: no update at all (AdamW leaves params without grads untouched)
+            self._bad_in_window = False
+            self.skipped_steps += 1
+            optimizer.zero_grad(set_to_none=True)
+        self.log_dict(
+            {"train/grad_norm": norm.detach().float(), "train/skipped_steps": float(self.skipped_steps),
+             "train/lr": optimizer.param_groups[0]["lr"]},
+            on_step=True, on_epoch=False,
+        )
+
+    # ---- validation ----------------------------------------------------------------------------------
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        """Token-weighted validation loss over the held-out shards (all ranks)."""
+        out = self._losses(batch)
+        weight = self._weight(out)
+        self.log("val/loss", out["loss"], on_epoch=True, sync_dist=True, batch_size=max(int(weight), 1), prog_bar=True)
+        self.log("val/text_loss", out["text_loss"], on_epoch=True, sync_dist=True, batch_size=max(int(out["n_text_targets"]), 1))
+        self.log("val/image_loss", out["image_loss"], on_epoch=True, sync_dist=True, batch_size=max(int(out["n_image_targets"]), 1))
+
+    # ---- optimiser ------------------------------------------------------------------------------------
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW (decay on matrices only) + per-step warmup/decay schedule.
+
+        The horizon comes from decay_steps or trainer.max_steps, never trainer.estimated_stepping_batches:
+        that re-creates the train dataloader and drops the loader state restored from a checkpoint
+        (Lightning issue 20550), which would break exact resume.
+        """
+        hp = self.hparams
+        horizon = hp.decay_steps or (self.trainer.max_steps if self.trainer.max_steps and self.trainer.max_steps > 0 else None)
+        if horizon is None:
+            raise ValueError("set trainer.max_steps or model.decay_steps: the lr schedule needs a horizon")
+        optimizer = build_adamw(self.model, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, weight_decay=hp.weight_decay)
+        schedule = WarmupDecay(min(hp.warmup_steps, max(horizon - 1, 0)), horizon, hp.lr_schedule, hp.min_lr_ratio)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": build_scheduler(optimizer, schedule), "interval": "step"}}
+
+    # ---- checkpoint extras: RNG states of every rank, skipped-step count ----------------------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Add all ranks' RNG states (as tensors) and the skip counter; called on every rank."""
+        state = rng_state()
+        if self.trainer.world_size > 1:
+            # all ranks' states, so each continues its own dropout stream after a resume
+            state = {k: self.all_gather(v.to(self.device)).cpu() for k, v in state.items()}
+        else:
+            state = {k: v.unsqueeze(0) for k, v in state.items()}
+        checkpoint["rng_states"] = state
+        checkpoint["skipped_steps"] = self.skipped_steps
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Pick this rank's RNG state (applied at the first batch, after loaders have drawn their seeds)."""
+        self.skipped_steps = int(checkpoint.get("skipped_steps", 0))
+        states = checkpoint.get("rng_states")
+        if states is not None:
+            rank = self.global_rank if states["torch"].shape[0] > self.global_rank else 0
+            self._rng_to_restore = {k: v[rank] for k, v in states.items()}

@@ -1,0 +1,83 @@
+"""Chameleon's optimiser recipe: AdamW with weight decay on matrices only, linear warmup then exponential or cosine decay."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Split parameters into a decayed group (matrices: >= 2 dims) and a non-decayed one (norm weights, biases)."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        # Embeddings and projections are matrices; norm gains and biases are not. QK-norm's per-head
+        # weight is (n_heads, head_dim) — a 2-D gain, not a projection — so norms are excluded by name too.
+        is_norm = any("norm" in part for part in name.split(".")[:-1])
+        (decay if param.ndim >= 2 and not is_norm else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_adamw(
+    model: nn.Module,
+    lr: float,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-5,
+    weight_decay: float = 0.1,
+    fused: bool | None = None,
+) -> torch.optim.AdamW:
+    """AdamW over `param_groups`; fused kernels where the parameters live on CUDA (unless told otherwise)."""
+    groups = param_groups(model, weight_decay)
+    if fused is None:
+        fused = all(p.is_cuda for g in groups for p in g["params"]) and torch.cuda.is_available()
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=fused or None)
+
+
+@dataclass
+class WarmupDecay:
+    """lr multiplier: linear warmup over `warmup_steps`, then exponential or cosine decay to `min_ratio` at `decay_steps`.
+
+    A picklable callable (LambdaLR saves its `__dict__`: plain numbers only, so checkpoints stay weights_only-safe).
+    The paper decays exponentially "to 0"; an exponential never reaches 0, so it reaches `min_ratio` at
+    `decay_steps` and keeps decaying at the same rate afterwards. Cosine stays at `min_ratio` after `decay_steps`.
+    """
+
+    warmup_steps: int
+    decay_steps: int
+    schedule: str = "exponential"
+    min_ratio: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.schedule not in {"exponential", "cosine", "constant"}:
+            raise ValueError(f"lr schedule {self.schedule!r}: choose 'exponential', 'cosine' or 'constant'")
+        if self.decay_steps <= self.warmup_steps and self.schedule != "constant":
+            raise ValueError(
+                f"decay_steps ({self.decay_steps}) must exceed warmup_steps ({self.warmup_steps}); "
+                "set trainer.max_steps or model.decay_steps larger, or lower model.warmup_steps"
+            )
+        if not 0.0 < self.min_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in (0, 1], got {self.min_ratio}")
+
+    def __call__(self, step: int) -> float:
+        """Multiplier of the peak lr at optimizer step `step` (0-based)."""
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        if self.schedule == "constant":
+            return 1.0
+        progress = (step - self.warmup_steps) / (self.decay_steps - self.warmup_steps)
+        if self.schedule == "exponential":
+            return self.min_ratio**progress
+        progress = min(progress, 1.0)
+        return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, schedule: WarmupDecay) -> torch.optim.lr_scheduler.LambdaLR:
+    """A per-optimizer-step LambdaLR following `schedule`."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

@@ -1,0 +1,121 @@
+"""Helpers for the training tests: tiny token shards, a recording callback, and a `train.py fit` subprocess entry.
+
+Run as `python tests/fusion_model/fit_worker.py [fit options...]`: trains like `train.py fit`; add `recorder_arg(...)`
+to write OUT_PREFIX.rank<R>.pt (losses, batches seen, final full weights) when training ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+TINY = dict(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64, dropout=0.0)
+
+
+def make_token_dir(path: Path, n_docs: int = 40, vocab_size: int = 256, seed: int = 0, shards: int = 2,
+                   vocab_fingerprint: str = "vocab-test", image_fingerprint: str = "image-test") -> Path:
+    """Token shards of random documents (lengths 4..40, ids >= 1; 0 is pad) with a valid manifest."""
+    from data_shards.token_shards import write_manifest, write_token_shard
+
+    rng = np.random.default_rng(seed)
+    path.mkdir(parents=True, exist_ok=True)
+    info = {"vocab_size": vocab_size, "vocab_fingerprint": vocab_fingerprint, "image_tokenizer_fingerprint": image_fingerprint}
+    metas = []
+    for s in range(shards):
+        docs = [rng.integers(1, vocab_size, rng.integers(4, 41)).tolist() for _ in range(n_docs // shards)]
+        keys = [f"s{s}-d{i}" for i in range(len(docs))]
+        metas.append(write_token_shard(path, f"shard-{s:03d}", keys, docs, info))
+    write_manifest(path, {**info, "pad_id": 0}, metas)
+    return path
+
+
+def tiny_args(token_dir: Path, root: Path, max_steps: int, batch_size: int = 4, extra: list[str] | None = None) -> list[str]:
+    """`train.py fit` options for a seconds-long CPU run of the tiny decoder (no progress bar, CSV only)."""
+    args = [
+        f"--config={REPO / 'configs/fusion/tiny.yaml'}",
+        f"--data.train_dir={token_dir}", "--data.seq_len=32", f"--data.batch_size={batch_size}", "--data.num_workers=0",
+        f"--trainer.max_steps={max_steps}", f"--trainer.default_root_dir={root}", "--trainer.enable_progress_bar=false",
+        "--trainer.val_check_interval=null", "--trainer.limit_val_batches=0",
+        f"--trainer.logger=[{json.dumps({'class_path': 'lightning.pytorch.loggers.CSVLogger', 'init_args': {'save_dir': str(root)}})}]",
+        f"--trainer.callbacks=[{json.dumps({'class_path': 'lightning.pytorch.callbacks.ModelCheckpoint', 'init_args': {'dirpath': str(root / 'ckpt'), 'every_n_train_steps': 1, 'save_top_k': -1, 'save_last': True}})}]",
+        "--model.warmup_steps=2", "--model.lr=1e-2",
+    ]
+    args += [f"--model.config.{k}={'null' if v is None else v}" for k, v in TINY.items()]
+    return args + list(extra or [])
+
+
+def full_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Unsharded CPU copy of the weights (gathers FSDP2 DTensors; call on every rank)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sharded = any(hasattr(p, "full_tensor") for p in module.parameters())
+    if not sharded:
+        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True, broadcast_from_rank0=False))
+
+
+class Recorder(L.Callback):
+    """Records each batch's loss and input ids; saves them with the final weights when training ends."""
+
+    def __init__(self, out_prefix: str, hang_after_step: int = -1) -> None:
+        super().__init__()
+        self.out_prefix, self.hang_after_step = out_prefix, hang_after_step
+        self.losses: list[float] = []
+        self.steps: list[int] = []
+        self.batches: list[torch.Tensor] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.batches.append(batch["input_ids"].clone())
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(trainer.callback_metrics["train/loss"]))
+        self.steps.append(trainer.global_step)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        weights = full_state_dict(pl_module.model)
+        payload = {"losses": self.losses, "steps": self.steps, "batches": self.batches, "weights": weights}
+        torch.save(payload, f"{self.out_prefix}.rank{trainer.global_rank}.pt")
+
+
+class HangingRecorder(Recorder):
+    """A Recorder that blocks forever once the checkpoint of `hang_after_step` is on disk."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        # the checkpoint of step hang_after_step was written at the end of the previous batch
+        if trainer.global_step == self.hang_after_step:
+            Path(f"{self.out_prefix}.hanging").write_text("ready to be killed")
+            while True:  # the test kills this process with SIGKILL
+                time.sleep(1)
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+
+def recorder_arg(out_prefix: str | Path, hang_after_step: int = -1) -> str:
+    """The `--trainer.callbacks+=` option adding a (Hanging)Recorder."""
+    cls = "fit_worker.HangingRecorder" if hang_after_step >= 0 else "fit_worker.Recorder"
+    init = {"out_prefix": str(out_prefix), "hang_after_step": hang_after_step}
+    return f"--trainer.callbacks+={json.dumps({'class_path': cls, 'init_args': init})}"
+
+
+def run_in_process(args: list[str]):
+    """Train in this process (the same code path as the subprocess); returns the LightningCLI object."""
+    from fusion_model.train_cli import fit_from_config
+
+    return fit_from_config(None, args)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(int(os.environ.get("FIT_THREADS", "1")))
+    sys.path.insert(0, str(HERE))  # so the CLI can import fit_worker.Recorder
+    from fusion_model.train_cli import main
+
+    sys.exit(main(sys.argv[1:]))
