@@ -152,3 +152,15 @@ def test_convert_cli_import_and_export_round_trip(tmp_path, capsys):
         torch.testing.assert_close(loaded(input_ids=ids).logits, reference(input_ids=ids).logits)
     assert convert_main(["export", str(tmp_path / "missing.ckpt"), str(tmp_path / "x")]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_export_includes_the_vq_encoder_of_our_chameleon_layout_image_tokenizer(tmp_path):
+    from tokenizer.image import ImageTokenizer
+
+    reference = hf_model(False, 2)
+    image_tokenizer = ImageTokenizer.from_transformers(reference.model.vqmodel)
+    FusionModel.from_transformers(reference).to_transformers(tmp_path, image_tokenizer=image_tokenizer)
+    loaded = ChameleonForConditionalGeneration.from_pretrained(tmp_path, local_files_only=True)
+    exported = loaded.model.vqmodel.state_dict()
+    for key, value in reference.model.vqmodel.state_dict().items():
+        torch.testing.assert_close(exported[key], value, msg=key)
