@@ -1,0 +1,296 @@
+"""GPU benchmark (`bench/gpu.sh`): bf16 train-step MFU at a ~1B config (flex attention + torch.compile) and
+seconds per 512x512 image (1,024 tokens) at the chameleon-7b shape; `--dry-run` does both tiny on CPU."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.harness import write_result
+from bench.limits import copy_bandwidth, decode_seconds_bound, matmul_peak_flops, model_flops_utilization
+from fusion_model.config import FusionConfig
+from fusion_model.model import FusionModel
+
+# Dense bf16 tensor-core peaks from the vendors' data sheets (no sparsity); matched against the device name.
+SPEC_PEAK_BF16 = {"H200": 989.4e12, "H100 PCIe": 756.0e12, "H100": 989.4e12, "A100": 312.0e12, "L40S": 362.0e12}
+IMAGE_OFFSET = 4  # Chameleon's image block starts after 4 special tokens; any offset decodes at the same speed
+CFG_TEXT, CFG_IMAGE = 3.0, 1.2  # Chameleon's three-stream guidance: u + 1.2 (img - u) + 3.0 (full - img)
+
+
+def spec_peak(device: torch.device) -> float | None:
+    """Data-sheet dense bf16 FLOP/s of this GPU, if known."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in SPEC_PEAK_BF16.items() if key in name), None)
+
+
+def train_config(dry_run: bool) -> FusionConfig:
+    """~1.1B parameters (d 2048, 16 layers, vocab 65,536, context 4,096) on GPU; a toy on CPU."""
+    if dry_run:
+        # flex attention has no backward on CPU, so the dry run trains through SDPA
+        return FusionConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, ffn_dim=128, max_seq_len=64,
+                            dropout=0.0, attention_backend="sdpa")
+    return FusionConfig(dim=2048, n_layers=16, n_heads=16, max_seq_len=4096, dropout=0.0, attention_backend="flex")
+
+
+def image_config(dry_run: bool) -> FusionConfig:
+    """chameleon-7b's shape with an 8,192-code image block; a toy on CPU."""
+    if dry_run:
+        return FusionConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, ffn_dim=128, max_seq_len=64,
+                            dropout=0.0, image_offset=IMAGE_OFFSET, image_codes=128)
+    return FusionConfig.from_preset("chameleon-7b", dropout=0.0, image_offset=IMAGE_OFFSET, image_codes=8192)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def packed_batch(batch: int, seq_len: int, vocab_size: int, docs_per_row: int, device: torch.device,
+                 generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token rows packed with `docs_per_row` documents of random lengths (as the stream yields them)."""
+    input_ids = torch.randint(0, vocab_size, (batch, seq_len), generator=generator)
+    document_ids = torch.empty(batch, seq_len, dtype=torch.long)
+    for row in range(batch):
+        cuts = torch.randperm(seq_len - 1, generator=generator)[: docs_per_row - 1].add(1).sort().values.tolist()
+        bounds = [0, *cuts, seq_len]
+        for doc, (begin, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+            document_ids[row, begin:end] = doc
+    return input_ids.to(device), document_ids.to(device)
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def bench_train_step(config: FusionConfig, *, batch: int, steps: int, warmup: int, device: torch.device,
+                     dtype: torch.dtype, compile_blocks: bool, peak_measured: float) -> dict:
+    """Time forward + chunked CE/z-loss + backward + clip + fused AdamW; return tokens/s, MFU and step spread."""
+    seq_len = config.max_seq_len
+    torch.manual_seed(0)
+    model = FusionModel(config).to(device=device, dtype=dtype)  # bf16 "true" precision: params and activations
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1,
+                                  fused=device.type == "cuda")
+    if compile_blocks:
+        # regional compilation: every block shares one graph, so compiling is quick and the mask logic stays eager
+        for block in model.layers:
+            block.compile(dynamic=False)
+    generator = torch.Generator().manual_seed(0)
+    input_ids, document_ids = packed_batch(batch, seq_len, config.vocab_size, 4, device, generator)
+
+    def step() -> torch.Tensor:
+        loss = model.loss(input_ids, document_ids)["loss"]
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()  # no .item() here: a host sync per step would hide launch overhead
+
+    start = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    warmup_s = time.perf_counter() - start
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        loss = step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    if not torch.isfinite(loss):
+        raise RuntimeError(f"train step gave a non-finite loss {float(loss)}; the benchmark config is broken")
+    q1, median, q3 = _quartiles(times)
+    tokens = batch * seq_len
+    flops_per_s = config.flops_per_token(seq_len) * tokens / median
+    peak_spec = spec_peak(device)
+    figures = {
+        "tokens_per_s": {"value": tokens / median, "unit": "tok/s", "q25": tokens / q3, "q75": tokens / q1},
+        "step_s": {"value": median, "unit": "s", "q25": q1, "q75": q3, "pairs": steps},
+        "model_flops_per_s": {"value": flops_per_s, "unit": "FLOP/s"},
+        "mfu_vs_measured_matmul": {"value": model_flops_utilization(flops_per_s, peak_measured), "unit": "of peak"},
+        "warmup_and_compile_s": {"value": warmup_s, "unit": "s"},
+    }
+    if peak_spec is not None:
+        figures["mfu_vs_spec_sheet"] = {"value": model_flops_utilization(flops_per_s, peak_spec), "unit": "of peak"}
+    if device.type == "cuda":
+        figures["peak_memory"] = {"value": torch.cuda.max_memory_allocated(device), "unit": "B"}
+    config_out = {"model": config.to_dict(), "parameters": config.num_parameters(), "batch": batch,
+                  "seq_len": seq_len, "docs_per_row": 4, "dtype": str(dtype), "compile": compile_blocks,
+                  "flops_per_token": config.flops_per_token(seq_len), "loss": float(loss)}
+    return {"figures": figures, "config": config_out}
+
+
+def _train_with_fallback(config: FusionConfig, batch: int, **kwargs) -> dict:
+    """Halve the batch on out-of-memory, down to one row."""
+    while True:
+        try:
+            result = bench_train_step(config, batch=batch, **kwargs)
+            _free(kwargs["device"])  # the 1B model and its optimizer state go before the 7B model arrives
+            return result
+        except torch.OutOfMemoryError:
+            if batch == 1:
+                raise
+            print(f"gpu bench: out of memory at batch {batch}; retrying with {batch // 2}", flush=True)
+            batch //= 2
+            _free(kwargs["device"])
+
+
+@torch.no_grad()
+def generate_image(model: FusionModel, prompt: torch.Tensor, n_tokens: int, streams: int,
+                   generator: torch.Generator) -> torch.Tensor:
+    """Sample `n_tokens` image codes after `prompt` with the KV cache; 3 streams = Chameleon's CFG."""
+    config = model.config
+    device = prompt.device
+    rows = prompt.expand(streams, -1).clone()
+    if streams == 3:
+        # stream 0: full prompt, stream 1: image-only condition, stream 2: unconditional (Chameleon's CFG)
+        rows[1, :-1] = 0
+        rows[2, 1:-1] = 0
+    documents = torch.zeros_like(rows)
+    cache = model.new_kv_cache(streams, prompt.shape[1] + n_tokens)
+    logits = model(rows, document_ids=documents, kv_cache=cache)[:, -1]
+    codes = torch.empty(n_tokens, dtype=torch.long, device=device)
+    block = slice(config.image_offset, config.image_offset + config.image_codes)
+    for i in range(n_tokens):
+        image_logits = logits[:, block]
+        if streams == 3:
+            full, image_only, uncond = image_logits
+            image_logits = (uncond + CFG_IMAGE * (image_only - uncond) + CFG_TEXT * (full - image_only))[None]
+        probs = torch.softmax(image_logits[0] / 0.7, dim=-1)
+        codes[i] = torch.multinomial(probs, 1, generator=generator)[0]
+        token = (codes[i] + config.image_offset).view(1, 1).expand(streams, 1)
+        logits = model(token, document_ids=torch.zeros_like(token), kv_cache=cache)[:, -1]
+    return codes
+
+
+def bench_image(config: FusionConfig, *, n_tokens: int, stream_counts: list[int], repeats: int,
+                device: torch.device, dtype: torch.dtype, bandwidth: float) -> dict:
+    """Seconds per image and per token with a KV cache, and the fraction of the weight-bandwidth bound."""
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = FusionModel(config).eval()  # random weights, made directly on the device in `dtype`
+    finally:
+        torch.set_default_dtype(previous)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    # per decoding step every matrix is read once; the input embedding only one row per stream
+    streamed_bytes = weight_bytes - model.embed.weight.numel() * model.embed.weight.element_size()
+    bound = decode_seconds_bound(streamed_bytes, bandwidth)
+    generator = torch.Generator(device=device).manual_seed(0)
+    prompt = torch.randint(config.image_offset + config.image_codes, config.vocab_size, (1, 32), device=device)
+    prompt[0, 0] = 1  # <s>
+    prompt = torch.cat([prompt, torch.full((1, 1), 2, device=device)], dim=1)  # ends with begin-image
+    figures: dict[str, dict] = {}
+    for streams in stream_counts:
+        generate_image(model, prompt, min(8, n_tokens), streams, generator)  # warm-up: kernels, allocator
+        _sync(device)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            codes = generate_image(model, prompt, n_tokens, streams, generator)
+            _sync(device)
+            times.append(time.perf_counter() - start)
+        if codes.numel() != n_tokens or int(codes.max()) >= config.image_codes:
+            raise RuntimeError(f"generated {codes.numel()} codes, max {int(codes.max())}: the sampler is broken")
+        seconds = min(times)
+        per_token = seconds / (n_tokens + 1)  # n_tokens decoding steps plus the prefill
+        label = "cfg_3_streams" if streams == 3 else f"batch_{streams}"
+        figures[label] = {
+            "seconds_per_image": {"value": seconds, "unit": "s", "runs": repeats},
+            "ms_per_token": {"value": per_token * 1e3, "unit": "ms"},
+            "bandwidth_bound_fraction": {"value": bound / per_token, "unit": "of bound",
+                                         "bound_ms": round(bound * 1e3, 4)},
+        }
+    config_out = {"model": config.to_dict(), "parameters": config.num_parameters(), "image_tokens": n_tokens,
+                  "prompt_tokens": prompt.shape[1], "dtype": str(dtype), "weight_bytes": weight_bytes,
+                  "sampling": "temperature 0.7 over the image block; 3 streams use Chameleon's CFG (1.2, 3.0)",
+                  "bound": "bytes of all matrices but the input embedding / copy bandwidth (read + write)"}
+    del model
+    _free(device)
+    return {"figures": figures, "config": config_out}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line options of `python -m bench.gpu`."""
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__)
+    parser.add_argument("--dry-run", action="store_true", help="tiny configs on CPU in fp32, no compile (seconds)")
+    parser.add_argument("--results-dir", type=Path, default=None,
+                        help="where gpu.json goes (default bench/results; a temp dir with --dry-run)")
+    parser.add_argument("--skip-train", action="store_true", help="skip the train-step MFU part")
+    parser.add_argument("--skip-image", action="store_true", help="skip the image-generation part")
+    parser.add_argument("--train-batch", type=int, default=None, help="rows of 4,096 tokens per step (default 4)")
+    parser.add_argument("--train-steps", type=int, default=None, help="timed steps (default 10)")
+    parser.add_argument("--no-compile", action="store_true", help="train eagerly (compile is on by default on GPU)")
+    parser.add_argument("--streams", default="1,3", help="comma-separated batch sizes for image generation; "
+                        "3 means Chameleon's three-stream CFG (default 1,3)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run both GPU figures (or their tiny CPU versions) and write gpu.json."""
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available() and not args.dry_run
+    if not cuda and not args.dry_run:
+        print("gpu bench: no CUDA device; run with --dry-run to check the script on CPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = True
+    started = time.perf_counter()
+    peak = matmul_peak_flops(dtype, device, size=None if cuda else 128, repeats=5 if cuda else 2)
+    bandwidth = copy_bandwidth(device, nbytes=None if cuda else 4 << 20, repeats=5 if cuda else 2)
+    figures: dict = {
+        "matmul_peak": {"value": peak, "unit": "FLOP/s", "dtype": str(dtype).removeprefix("torch.")},
+        "copy_bandwidth": {"value": bandwidth, "unit": "B/s", "note": "read + write"},
+    }
+    if spec_peak(device) is not None:
+        figures["spec_sheet_peak"] = {"value": spec_peak(device), "unit": "FLOP/s"}
+    config: dict = {"device": torch.cuda.get_device_name(device) if cuda else "cpu (dry run)", "dry_run": args.dry_run}
+    if not args.skip_train:
+        result = _train_with_fallback(
+            train_config(args.dry_run), args.train_batch or (2 if args.dry_run else 4),
+            steps=args.train_steps or (2 if args.dry_run else 10), warmup=1 if args.dry_run else 3,
+            device=device, dtype=dtype, compile_blocks=cuda and not args.no_compile, peak_measured=peak,
+        )
+        figures["train_step_1b"] = result["figures"]
+        config["train_step_1b"] = result["config"]
+        print(f"gpu bench: train step done at {time.perf_counter() - started:.0f} s", flush=True)
+    if not args.skip_image:
+        streams = [int(s) for s in args.streams.split(",") if s.strip()]
+        result = bench_image(
+            image_config(args.dry_run), n_tokens=16 if args.dry_run else 1024, stream_counts=streams,
+            repeats=1 if args.dry_run else 2, device=device, dtype=dtype, bandwidth=bandwidth,
+        )
+        figures["image_512px_7b"] = result["figures"]
+        config["image_512px_7b"] = result["config"]
+    config["total_s"] = round(time.perf_counter() - started, 1)
+    out_dir = args.results_dir or (Path(tempfile.mkdtemp(prefix="bench-gpu-dry-")) if args.dry_run else None)
+    path = write_result("gpu", {"figures": figures, "config": config}, out_dir)
+    print(json.dumps(figures, indent=1, default=str))
+    print(f"gpu bench: wrote {path} in {config['total_s']} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

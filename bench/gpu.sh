@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The GPU figures in one go (< 8 min on one H100/H200): bf16 train-step MFU at ~1B (flex + compile) and
+# seconds per 512x512 image at the chameleon-7b shape. Arguments go to bench/gpu.py (e.g. --dry-run on CPU).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python="${PYTHON:-.venv/bin/python}"
+[ -x "$python" ] || python=python3
+timeout "${GPU_BENCH_TIMEOUT:-470}" "$python" -m bench.gpu "$@"
+# a real run into bench/results also refreshes BENCHMARKS.md (its GPU section reads gpu.json)
+case " $* " in
+  *" --dry-run "* | *"--results-dir"*) ;;
+  *) "$python" -m bench --render-only ;;
+esac
