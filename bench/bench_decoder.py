@@ -1,0 +1,106 @@
+"""Decoder training step (forward + backward + AdamW) tokens/s: ours vs transformers' Chameleon, and CPU MFU."""
+
+from __future__ import annotations
+
+import torch
+
+from bench.harness import compare, write_result
+from fusion_model.config import FusionConfig
+from fusion_model.model import FusionModel
+
+# (preset, batch, seq_len); the smoke sizes only prove the bench runs
+SIZES = {"small": ("small", 8, 256), "medium": ("medium", 4, 512)}
+SMOKE_SIZES = {"small": ("tiny", 2, 32)}
+
+
+def _peak_flops() -> float:
+    """This machine's fp32 matmul peak (bench.limits when present, else a 1024^3 matmul measured here)."""
+    try:
+        from bench.limits import matmul_peak_flops
+
+        return matmul_peak_flops(torch.float32, "cpu")
+    except ImportError:
+        import time
+
+        a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - start)
+        return 2 * 1024**3 / best
+
+
+def _reference(config: FusionConfig):
+    """transformers' ChameleonForConditionalGeneration at the same shape (small placeholder VQ encoder)."""
+    from transformers import ChameleonForConditionalGeneration
+
+    from fusion_model.hf_convert import to_transformers_config
+
+    hf_config = to_transformers_config(config, vocabulary_map={})
+    hf_config._attn_implementation = "sdpa"  # the reference's fastest CPU path
+    return ChameleonForConditionalGeneration(hf_config).train()
+
+
+def _steps(config: FusionConfig, batch: int, seq_len: int):
+    """Two closures doing one optimizer step each, on the same weights and the same batch."""
+    reference = _reference(config)
+    ours = FusionModel.from_transformers(reference).train()
+    ids = torch.randint(0, config.vocab_size, (batch, seq_len))
+    ref_params = [p for n, p in reference.named_parameters() if "vqmodel" not in n]
+    opt_ref = torch.optim.AdamW(ref_params, lr=1e-4, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
+    opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
+
+    def ours_step():
+        ours.loss(ids)["loss"].backward()  # CE + z-loss, chunked head
+        opt_ours.step()
+        opt_ours.zero_grad(set_to_none=True)
+
+    def reference_step():
+        reference(input_ids=ids, labels=ids).loss.backward()  # CE only (transformers has no z-loss)
+        opt_ref.step()
+        opt_ref.zero_grad(set_to_none=True)
+
+    return ours_step, reference_step
+
+
+def run(smoke: bool = False) -> dict:
+    """Measure both sizes (or the smoke size), write bench/results/decoder.json, return the payload."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    torch.manual_seed(0)
+    peak = _peak_flops()
+    figures, configs = {}, {}
+    for label, (preset, batch, seq_len) in (SMOKE_SIZES if smoke else SIZES).items():
+        config = FusionConfig.from_preset(preset, max_seq_len=seq_len)
+        ours_step, reference_step = _steps(config, batch, seq_len)
+        result = compare(ours_step, reference_step, warmup=1, min_pairs=1 if smoke else 3,
+                         max_pairs=2 if smoke else 10, max_seconds=2.0 if smoke else 30.0)
+        tokens = batch * seq_len
+        flops = config.flops_per_token(seq_len) * tokens
+        figures[label] = {
+            "speedup_vs_transformers": result.speedup_median,
+            "speedup_q25": result.speedup_q25,
+            "speedup_q75": result.speedup_q75,
+            "pairs": result.pairs,
+            "ours_tokens_per_s": tokens / result.ours_median_s,
+            "transformers_tokens_per_s": tokens / result.reference_median_s,
+            "ours_flops_per_s": flops / result.ours_median_s,
+            "ours_mfu_vs_matmul_peak": flops / result.ours_median_s / peak,
+            "transformers_mfu_vs_matmul_peak": flops / result.reference_median_s / peak,
+        }
+        configs[label] = {"preset": preset, "batch": batch, "seq_len": seq_len,
+                          "parameters": config.num_parameters(), "flops_per_token": config.flops_per_token(seq_len)}
+    figures["matmul_peak_flops"] = peak
+    payload = {"figures": figures, "config": {"sizes": configs, "threads": torch.get_num_threads(), "dtype": "fp32",
+                                              "step": "forward + backward + AdamW, same weights and batch"}}
+    write_result("decoder", payload)
+    return payload
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    print(json.dumps(run(smoke="--smoke" in sys.argv), indent=2))
