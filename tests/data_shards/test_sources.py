@@ -1,0 +1,147 @@
+"""Every ingest source round-trips into raw shards; bad images are skipped and listed, or stop a strict run."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import tarfile
+
+import pytest
+from PIL import Image
+
+from data_shards import sources
+from data_shards.raw import iter_raw_shard, read_raw_manifest
+
+
+def _png(color=(10, 200, 30), size=(16, 16), fmt="PNG") -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, color).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def _read_all(raw_dir) -> dict:
+    manifest = read_raw_manifest(raw_dir)
+    docs = {}
+    for shard in manifest["shards"]:
+        docs.update(iter_raw_shard(raw_dir / shard["name"]))
+    return docs
+
+
+def _shape(segments) -> list:
+    return [s if isinstance(s, str) else Image.open(io.BytesIO(s[1])).size for s in segments]
+
+
+def test_image_folder_with_sidecar_captions(tmp_path):
+    folder = tmp_path / "images"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "cat.png").write_bytes(_png())
+    (folder / "cat.txt").write_text("a green square\n")
+    (folder / "sub" / "dog.jpg").write_bytes(_png(fmt="JPEG", size=(20, 12)))
+    (folder / "sub" / "dog.txt").write_text("a jpeg")
+    (folder / "nocaption.png").write_bytes(_png())
+    (folder / "broken.png").write_bytes(_png()[:40])
+    (folder / "broken.txt").write_text("truncated")
+    manifest = sources.write_raw(sources.image_folder(folder), tmp_path / "raw")
+    docs = _read_all(tmp_path / "raw")
+    assert {k: _shape(v) for k, v in docs.items()} == {
+        "cat": ["a green square", (16, 16)],
+        "sub_dog": ["a jpeg", (20, 12)],
+    }
+    skipped = {s["key"]: s["reason"] for s in manifest["skipped"]}
+    assert set(skipped) == {"broken", "nocaption"}
+    assert "broken.png" in skipped["broken"] and "nocaption.txt" in skipped["nocaption"]
+
+
+def test_bad_image_stops_a_strict_run(tmp_path):
+    folder = tmp_path / "images"
+    folder.mkdir()
+    (folder / "broken.png").write_bytes(b"not an image at all")
+    (folder / "broken.txt").write_text("x")
+    with pytest.raises(ValueError, match="sample 'broken' rejected.*broken.png"):
+        sources.write_raw(sources.image_folder(folder), tmp_path / "raw", strict=True)
+    assert not list((tmp_path / "raw").glob("*.tar"))
+
+
+def test_img2dataset_tar(tmp_path):
+    path = tmp_path / "00000.tar"
+    members = {
+        "000000000.jpg": _png(fmt="JPEG"),
+        "000000000.txt": b"a photo of a square",
+        "000000000.json": json.dumps({"status": "success", "caption": "ignored"}).encode(),
+        "000000001.png": _png(size=(9, 9)),
+        "000000001.json": json.dumps({"status": "success", "caption": "caption from json"}).encode(),
+        "000000002.json": json.dumps({"status": "failed_to_download"}).encode(),
+        "000000003.jpg": b"\xff\xd8garbage",
+        "000000003.txt": b"bad jpeg",
+    }
+    with tarfile.open(path, "w") as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    manifest = sources.write_raw(sources.img2dataset_tars([path]), tmp_path / "raw")
+    docs = _read_all(tmp_path / "raw")
+    assert {k: _shape(v) for k, v in docs.items()} == {
+        "00000_000000000": ["a photo of a square", (16, 16)],
+        "00000_000000001": ["caption from json", (9, 9)],
+    }
+    reasons = {s["key"]: s["reason"] for s in manifest["skipped"]}
+    assert "failed_to_download" in reasons["00000_000000002"]
+    assert "000000003" in reasons["00000_000000003"]
+
+
+def test_obelics_jsonl_interleaved(tmp_path):
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "a.png").write_bytes(_png(size=(10, 11)))
+    (tmp_path / "imgs" / "b.png").write_bytes(_png(size=(12, 13)))
+    rows = [
+        {"id": "d1", "texts": ["intro", None, "middle", None], "images": [None, "imgs/a.png", None, "imgs/b.png"]},
+        {"id": "d2", "texts": [None, "caption after"], "images": ["imgs/missing.png", None]},
+        {"id": "d3", "texts": ["x"], "images": ["https://example.com/a.png"]},
+        {"id": "d4", "texts": [None, "text"], "images": ["http://example.com/x.jpg", None]},
+        {"id": "d5", "texts": ["a", "b"], "images": [None]},
+    ]
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows) + "\n{broken\n")
+    manifest = sources.write_raw(sources.obelics_jsonl(jsonl), tmp_path / "raw")
+    docs = _read_all(tmp_path / "raw")
+    assert {k: _shape(v) for k, v in docs.items()} == {"docs_d1": ["intro", (10, 11), "middle", (12, 13)]}
+    reasons = {s["key"]: s["reason"] for s in manifest["skipped"]}
+    assert set(reasons) == {"docs_d2", "docs_d3", "docs_d4", "docs_d5", "docs_6"}
+    assert "missing.png" in reasons["docs_d2"] and "exactly one" in reasons["docs_d3"]
+    assert "not a local path" in reasons["docs_d4"] and "equal length" in reasons["docs_d5"]
+
+
+def test_text_corpus_txt_and_jsonl(tmp_path):
+    (tmp_path / "book.txt").write_text("Call me Ishmael.")
+    (tmp_path / "lines.jsonl").write_text('{"text": "first"}\n{"body": "no text"}\n{"text": "third"}\n')
+    manifest = sources.write_raw(sources.text_corpus([tmp_path / "book.txt", tmp_path / "lines.jsonl"]), tmp_path / "raw")
+    assert _read_all(tmp_path / "raw") == {
+        "book": ["Call me Ishmael."], "lines_1": ["first"], "lines_3": ["third"]}
+    assert [s["key"] for s in manifest["skipped"]] == ["lines_2"]
+
+
+def test_demo_sources_are_offline_and_captioned(tmp_path):
+    samples = list(itertools.chain(sources.demo_digits(12), itertools.islice(sources.demo_photos(), 2),
+                                   sources.demo_text(verses_per_document=5, limit=3)))
+    sources.write_raw(samples, tmp_path / "raw")
+    docs = _read_all(tmp_path / "raw")
+    digits = {k: v for k, v in docs.items() if k.startswith("digit_")}
+    assert len(digits) == 12 and len({v[0] for v in digits.values()}) > 3, "digit prefix is class-balanced"
+    assert all(_shape(v)[1] == (28, 28) and v[0].startswith("the digit ") for v in digits.values())
+    assert _shape(docs["photo_astronaut"]) == ["a photo of an astronaut in a spacesuit", (512, 512)]
+    texts = [v for k, v in docs.items() if k.startswith("kjv_")]
+    assert len(texts) == 3 and texts[0][0].startswith("In the beginning God created the heaven and the earth.")
+
+
+def test_emoji_from_an_unpacked_npm_package_layout(tmp_path):
+    (tmp_path / "img" / "twitter" / "64").mkdir(parents=True)
+    (tmp_path / "img" / "twitter" / "64" / "1f600.png").write_bytes(_png(size=(64, 64)))
+    (tmp_path / "emoji.json").write_text(json.dumps([
+        {"unified": "1F600", "name": "GRINNING FACE", "image": "1f600.png"},
+        {"unified": "1F601", "name": "BEAMING FACE", "image": "1f601.png"}]))
+    manifest = sources.write_raw(sources.demo_emoji(tmp_path), tmp_path / "raw")
+    assert {k: _shape(v) for k, v in _read_all(tmp_path / "raw").items()} == {
+        "emoji_1F600": ["an emoji of grinning face", (64, 64)]}
+    assert [s["key"] for s in manifest["skipped"]] == ["emoji_1F601"]
