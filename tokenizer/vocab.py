@@ -134,17 +134,29 @@ class UnifiedVocab:
         """encode_text over many strings at once (uses the tokenizers thread pool)."""
         return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
 
-    def decode_text(self, ids: Iterable[int] | torch.Tensor) -> str:
-        """Text of a run of text ids; special or image ids are an error (use decode_document for those)."""
+    def decode_text(self, ids: Iterable[int] | torch.Tensor, skip_special: bool = False) -> str:
+        """Text of text ids; other ids show as their names (`<sep>`, `IMGIMGBZ`), or are dropped with skip_special."""
         ids = self._as_list(ids)
         self._check_ids(ids)
-        bad = [i for i in ids if not self.layout.text_offset <= i < self.layout.text_end]
-        if bad:
-            raise ValueError(
-                f"decode_text got non-text id {bad[0]} ({self.tokenizer.id_to_token(bad[0])!r}); text ids are "
-                f"[{self.layout.text_offset}, {self.layout.text_end}); use decode_document for sequences with specials or images"
-            )
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+        lay = self.layout
+        if skip_special:
+            ids = [i for i in ids if lay.text_offset <= i < lay.text_end]
+        if all(lay.text_offset <= i < lay.text_end for i in ids):
+            return self.tokenizer.decode(ids, skip_special_tokens=False)
+        # Decode each run of text ids on its own so a name never merges into a neighbouring multi-byte character.
+        pieces: list[str] = []
+        run: list[int] = []
+        for i in ids:
+            if lay.text_offset <= i < lay.text_end:
+                run.append(i)
+                continue
+            if run:
+                pieces.append(self.tokenizer.decode(run, skip_special_tokens=False))
+                run = []
+            pieces.append(self.tokenizer.id_to_token(i))
+        if run:
+            pieces.append(self.tokenizer.decode(run, skip_special_tokens=False))
+        return "".join(pieces)
 
     # ----- documents ----------------------------------------------------------------------------
     def encode_document(

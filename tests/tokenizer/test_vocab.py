@@ -146,6 +146,14 @@ def test_decode_document_keeps_other_specials_by_name_and_drops_padding(vocab):
     assert vocab.decode_document(ids) == ["Q?<sep>A."]
 
 
+def test_decode_text_shows_or_skips_non_text_ids(vocab):
+    ids = (
+        vocab.encode_text("é") + [vocab.sep_id, vocab.image_id(12)] + vocab.encode_text("ok") + [vocab.eos_id]
+    )
+    assert vocab.decode_text(ids) == "é<sep>IMGIMGBCZok</s>"
+    assert vocab.decode_text(ids, skip_special=True) == "éok"
+
+
 def test_masks_partition_every_id(vocab):
     ids = torch.arange(vocab.vocab_size).reshape(4, -1)
     text, image, special = vocab.is_text(ids), vocab.is_image(ids), vocab.is_special(ids)
@@ -243,8 +251,6 @@ def test_bad_ids_on_decode_name_the_id(vocab):
         vocab.decode_document([vocab.bos_id, 1024])
     with pytest.raises(ValueError, match="id -3"):
         vocab.decode_text([-3])
-    with pytest.raises(ValueError, match="non-text id 1.*decode_document"):
-        vocab.decode_text([vocab.bos_id])
     with pytest.raises(ValueError, match=r"4 codes, not 2x3"):
         vocab.decode_document(vocab.encode_document([torch.zeros(2, 2, dtype=torch.long)]), grid_shape=(2, 3))
     with pytest.raises(ValueError, match="inside an image"):
