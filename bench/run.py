@@ -82,10 +82,33 @@ def _is_paired(value: object) -> bool:
     return isinstance(value, dict) and "speedup_median" in value
 
 
+def _paired_from_flat(figures: dict) -> tuple[str, dict, set[str]] | None:
+    """A comparison spelled as flat keys (`speedup_x`, `speedup_q25`, `speedup_q75`, `pairs`) ->
+    (median key, paired dict, keys it used)."""
+    for key in figures:
+        base = key.removesuffix("_q25")
+        if base == key or f"{base}_q75" not in figures:
+            continue
+        spread = {key, f"{base}_q75"}
+        medians = [k for k in figures if k.startswith(base) and k not in spread]
+        if len(medians) == 1 and isinstance(figures[medians[0]], (int, float)):
+            paired = {"speedup_median": figures[medians[0]], "speedup_q25": figures[key],
+                      "speedup_q75": figures[f"{base}_q75"], "pairs": figures.get("pairs", "")}
+            return medians[0], paired, spread | {medians[0], "pairs"}
+    return None
+
+
 def _flatten(figures: dict, prefix: str = "") -> list[tuple[str, object]]:
     """Figures may nest ({"small": {"train": paired, "mfu": 0.4}}); leaves are paired results, values or numbers."""
     rows: list[tuple[str, object]] = []
+    used: set[str] = set()
+    flat = _paired_from_flat(figures)
+    if flat is not None:
+        key, paired, used = flat
+        rows.append((f"{prefix}{key}", paired))
     for key, value in figures.items():
+        if key in used:
+            continue
         label = f"{prefix}{key}"
         if isinstance(value, dict) and not _is_paired(value) and "value" not in value:
             rows += _flatten(value, f"{label}.")

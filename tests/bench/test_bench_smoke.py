@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 
+import bench.harness as harness
 from bench import run
-from bench.harness import COMPARE_SECONDS_ENV, RESULTS_DIR, RESULTS_DIR_ENV
+from bench.harness import COMPARE_SECONDS_ENV, RESULTS_DIR_ENV
 
 
 def _leaves(value, label=""):
@@ -25,15 +26,16 @@ def _leaves(value, label=""):
 @pytest.fixture
 def isolated(tmp_path, monkeypatch):
     """Results go to a temp dir, comparisons are capped short, and global torch settings are restored."""
-    monkeypatch.setenv(RESULTS_DIR_ENV, str(tmp_path))
+    monkeypatch.setenv(RESULTS_DIR_ENV, str(tmp_path / "results"))
     monkeypatch.setenv(COMPARE_SECONDS_ENV, "1")
+    # were the override ignored, results would land here instead of bench/results
+    default = tmp_path / "default-results"
+    monkeypatch.setattr(harness, "RESULTS_DIR", default)
     threads, dtype = torch.get_num_threads(), torch.get_default_dtype()
-    before = {p.name: p.stat().st_mtime_ns for p in RESULTS_DIR.glob("*")} if RESULTS_DIR.exists() else {}
-    yield tmp_path
+    yield tmp_path / "results"
     torch.set_num_threads(threads)
     torch.set_default_dtype(dtype)
-    after = {p.name: p.stat().st_mtime_ns for p in RESULTS_DIR.glob("*")} if RESULTS_DIR.exists() else {}
-    assert after == before, "a smoke run wrote into bench/results; use bench.harness.write_result without a dir"
+    assert not default.exists(), "a smoke run ignored BENCH_RESULTS_DIR; call write_result(name, payload)"
 
 
 @pytest.mark.parametrize("name", run.discover())

@@ -46,6 +46,16 @@ def test_markdown_shows_ratio_spread_values_limits_and_when(tmp_path):
     assert '**alpha**, ran 3.2 s: `{"batch": 8}`' in text
 
 
+def test_flat_speedup_keys_render_as_one_ratio_with_spread(tmp_path):
+    figures = {"small": {"speedup_vs_ref": 1.6, "speedup_q25": 1.2, "speedup_q75": 2.2, "pairs": 4,
+                         "ours_tokens_per_s": 82.0}}
+    write_result("flat", {"figures": figures, "config": {}}, tmp_path)
+    rows = [line for line in run.render_markdown(tmp_path).splitlines() if line.startswith("| flat")]
+    assert len(rows) == 2
+    assert "| small.speedup_vs_ref | **1.60×** | 1.20–2.20× | 4 |" in rows[0]
+    assert "| small.ours_tokens_per_s | 82 |" in rows[1]
+
+
 def test_markdown_gives_gpu_results_their_own_section(tmp_path):
     write_result("gpu", {"figures": {"train_mfu": {"value": 0.45, "unit": "of peak"}}, "config": {}}, tmp_path)
     text = run.render_markdown(tmp_path)
