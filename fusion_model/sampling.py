@@ -244,21 +244,23 @@ def generate_ids(
         raise ValueError("a prompt ends inside an image (<boi> without <eoi>) but mode is 'text'; use 'interleaved' or 'image'")
     if bool((open_codes > n_codes).any()):
         raise ValueError(f"a prompt's open image already has more than h·w = {n_codes} codes; check image_grid")
-    if config.mode == "image":
-        # <boi> (unless the prompt opened the image), the remaining codes, <eoi>
-        needed = torch.where(open_codes >= 0, n_codes - open_codes + 1, torch.full_like(open_codes, n_codes + 2))
-        for b in range(n_prompts):
-            if needed[b] > room[b]:
-                raise ValueError(
-                    f"prompt {b}: an image needs {int(needed[b])} more tokens (h·w = {n_codes} codes + <boi>/<eoi>) "
-                    f"but only {int(room[b])} fit in the context of {context}: shorten the prompt or use a smaller image grid"
-                )
-        budget = needed if config.max_new_tokens is None else torch.clamp(needed, max=config.max_new_tokens)
-        if config.max_new_tokens is not None and bool((needed > config.max_new_tokens).any()):
+    # tokens a prompt must still get: in image mode a whole image (<boi>, codes, <eoi>); in any mode the
+    # rest of an image the prompt opened
+    finish_open = torch.where(open_codes >= 0, n_codes - open_codes + 1, torch.zeros_like(open_codes))
+    needed = torch.where(open_codes >= 0, finish_open, torch.full_like(open_codes, n_codes + 2)) if config.mode == "image" else finish_open
+    for b in range(n_prompts):
+        if needed[b] > room[b]:
             raise ValueError(
-                f"mode 'image' needs up to {int(needed.max())} new tokens but max_new_tokens={config.max_new_tokens}: "
+                f"prompt {b}: the image needs {int(needed[b])} more tokens (h·w = {n_codes} codes + <boi>/<eoi>) "
+                f"but only {int(room[b])} fit in the context of {context}: shorten the prompt or use a smaller image grid"
+            )
+        if config.max_new_tokens is not None and needed[b] > config.max_new_tokens:
+            raise ValueError(
+                f"prompt {b}: the image needs {int(needed[b])} new tokens but max_new_tokens={config.max_new_tokens}: "
                 "raise it or leave it None"
             )
+    if config.mode == "image":
+        budget = needed
     else:
         budget = room if config.max_new_tokens is None else torch.clamp(room, max=config.max_new_tokens)
     steps = int(budget.max())
