@@ -1,0 +1,73 @@
+"""`python train.py shards write|tokenize|inspect` end to end on tiny inputs, and help for every option."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import train
+from data_shards.cli import build_parser
+from data_shards.token_shards import read_manifest
+from tokenizer.image import ImageTokenizer, ImageTokenizerConfig
+from tokenizer.vocab import train_unified_vocab
+
+
+def test_every_option_has_help():
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if a.choices and "write" in a.choices).choices
+    for name, sub in subparsers.items():
+        for action in sub._actions:
+            if action.dest != "help":
+                assert action.help, f"shards {name} {action.option_strings or action.dest} has no help"
+
+
+def test_write_tokenize_inspect(tmp_path, capsys):
+    folder = tmp_path / "images"
+    folder.mkdir()
+    for i in range(3):
+        Image.fromarray(np.full((16, 16, 3), 60 * i, dtype=np.uint8)).save(folder / f"img{i}.png")
+        (folder / f"img{i}.txt").write_text(f"a gray square number {i}")
+    (folder / "bad.png").write_bytes(b"nope")
+    (folder / "bad.txt").write_text("bad")
+    (tmp_path / "book.txt").write_text("a gray square and some words")
+
+    raw = tmp_path / "raw"
+    assert train.main(["shards", "write", str(raw), "--image-folder", str(folder), "--text",
+                       str(tmp_path / "book.txt"), "--shard-max-docs", "2"]) == 0
+    assert "wrote 4 documents (3 images) in 2 shards" in capsys.readouterr().out
+    assert json.loads((raw / "manifest.json").read_text())["skipped"][0]["key"] == "bad"
+
+    vocab_path = train_unified_vocab(["a gray square number", "and some words"] * 50, vocab_size=1024,
+                                     image_codes=512).save(tmp_path / "tokenizer.json")
+    torch.manual_seed(0)
+    config = ImageTokenizerConfig(image_size=16, base_channels=8, channel_multiplier=(1, 1, 1),
+                                  num_res_blocks=1, latent_channels=8, norm_groups=4, codebook_size=64)
+    ImageTokenizer(config).save_pretrained(tmp_path / "vq")
+    tokens = tmp_path / "tokens"
+    assert train.main(["shards", "tokenize", str(raw), str(tokens), "--vocab", str(vocab_path),
+                       "--image-tokenizer", str(tmp_path / "vq"), "--no-progress"]) == 0
+    manifest = read_manifest(tokens)
+    assert (manifest["documents"], manifest["images"], manifest["grid_shape"]) == (4, 3, [4, 4])
+
+    capsys.readouterr()
+    assert train.main(["shards", "inspect", str(tokens), "--show", "2", "--vocab", str(vocab_path)]) == 0
+    out = capsys.readouterr().out
+    assert "<image (4, 4)>" in out and "a gray square number" in out
+    assert train.main(["shards", "inspect", str(raw), "--show", "1"]) == 0
+    assert "<image" in capsys.readouterr().out
+
+
+def test_write_without_sources_is_a_usage_error(tmp_path, capsys):
+    assert train.main(["shards", "write", str(tmp_path / "raw")]) == 2
+    assert "give at least one source" in capsys.readouterr().err
+
+
+def test_strict_write_stops_at_a_bad_image(tmp_path):
+    (tmp_path / "bad.png").write_bytes(b"nope")
+    (tmp_path / "bad.txt").write_text("bad")
+    with pytest.raises(ValueError, match="rejected"):
+        train.main(["shards", "write", str(tmp_path / "raw"), "--image-folder", str(tmp_path), "--strict"])
