@@ -11,6 +11,7 @@ loader up before the restore and the state is dropped; don't (use max_steps or l
 from __future__ import annotations
 
 import lightning as L
+import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -39,6 +40,7 @@ def _trainer(tmp_path, **kwargs) -> L.Trainer:
                      enable_model_summary=False, default_root_dir=tmp_path, **kwargs)
 
 
+@pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__`", "ignore:Be aware that when using `ckpt_path`")
 def test_loader_state_survives_a_lightning_checkpoint_mid_epoch(tmp_path, tok):
     token_dir = tok.make_token_dir(tmp_path / "tokens", tok.make_documents(40))
 

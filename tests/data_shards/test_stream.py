@@ -163,3 +163,30 @@ def test_pack_rows_fits_every_piece_once_and_within_seq_len():
     fill = np.add.reduceat(lengths[pieces], row_ptr[:-1])
     assert fill.max() <= 16
     assert len(row_ptr) - 1 <= 2 * int(np.ceil(lengths.sum() / 16))
+
+
+def test_packed_logits_equal_each_document_run_alone_in_the_model(tmp_path, tok):
+    """Through the real decoder: a packed document's logits do not depend on its row-mates."""
+    from fusion_model.attention import build_mask, positions_from_documents
+    from fusion_model.config import FusionConfig
+    from fusion_model.model import FusionModel
+
+    rng = np.random.default_rng(0)
+    documents = [rng.integers(1, 256, size=int(rng.integers(3, 20))).tolist() for _ in range(12)]
+    token_dir = tok.make_token_dir(tmp_path / "tokens", documents)
+    batch = next(iter(PackedTokenStream(token_dir, 48, 2, seed=0)))
+    doc = batch["document_ids"]
+    index = torch.arange(48)
+    model_mask = build_mask(doc, doc, index, index)[:, 0]
+    assert torch.equal(model_mask, document_causal_mask(doc)), "the model builds the same mask"
+    real = doc >= 0
+    assert torch.equal(positions_from_documents(doc)[real], batch["position_ids"][real])
+
+    model = FusionModel(FusionConfig.from_preset("tiny", max_seq_len=48)).eval()
+    with torch.no_grad():
+        packed = model(batch["input_ids"], batch["position_ids"], batch["document_ids"])
+        for row in range(2):
+            for d in doc[row][real[row]].unique().tolist():
+                where = doc[row] == d
+                alone = model(batch["input_ids"][row][where][None])
+                torch.testing.assert_close(packed[row][where], alone[0], rtol=1e-4, atol=1e-4)
