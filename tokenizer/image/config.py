@@ -19,12 +19,16 @@ class ImageTokenizerConfig:
     base_channels: int = 128
     channel_multiplier: tuple[int, ...] = (1, 1, 2, 2, 4)  # one entry per level; 2**(levels-1) downsampling
     num_res_blocks: int = 2
-    attn_resolutions: tuple[int, ...] = ()  # feature-map sides that get attention (the mid block always has one)
+    attn_resolutions: tuple[
+        int, ...
+    ] = ()  # feature-map sides that get attention (the mid block always has one)
     latent_channels: int = 256  # encoder output channels before quant_conv
     dropout: float = 0.0
     norm_groups: int = 32  # GroupNorm groups; Chameleon uses 32, tiny presets fewer
     codebook_size: int = 8192
-    quantizer: str = "chameleon"  # "chameleon": Euclidean argmin; "improved": LlamaGen-style l2-normalised codes
+    quantizer: str = (
+        "chameleon"  # "chameleon": Euclidean argmin; "improved": LlamaGen-style l2-normalised codes
+    )
     # None means "the quantizer mode's default" (resolved in __post_init__):
     embed_dim: int | None = None  # code dimension: latent_channels (chameleon) or 8 (improved)
     kmeans_init: bool | None = None  # False (chameleon) / True (improved)
@@ -47,11 +51,15 @@ class ImageTokenizerConfig:
         self.channel_multiplier = tuple(int(m) for m in self.channel_multiplier)
         self.attn_resolutions = tuple(int(r) for r in self.attn_resolutions)
         if self.image_size % self.downsample_factor:
-            raise ValueError(f"image_size {self.image_size} must be divisible by the downsampling factor "
-                             f"{self.downsample_factor} (2**(len(channel_multiplier)-1))")
+            raise ValueError(
+                f"image_size {self.image_size} must be divisible by the downsampling factor "
+                f"{self.downsample_factor} (2**(len(channel_multiplier)-1))"
+            )
         widths = {self.base_channels * m for m in self.channel_multiplier}
         if any(w % self.norm_groups for w in widths):
-            raise ValueError(f"every level width {sorted(widths)} must be divisible by norm_groups={self.norm_groups}")
+            raise ValueError(
+                f"every level width {sorted(widths)} must be divisible by norm_groups={self.norm_groups}"
+            )
 
     @property
     def downsample_factor(self) -> int:
@@ -95,9 +103,26 @@ PRESETS: dict[str, dict[str, Any]] = {
     # transformers' ChameleonVQVAEConfig defaults: 512 px -> 32x32 codes, codebook 8192 x 256.
     "chameleon": {},
     # MNIST-like digits at 64 px -> 4x4 codes; ~1M parameters, trains on a CPU in minutes.
-    "demo-64": dict(image_size=64, base_channels=16, channel_multiplier=(1, 1, 2, 2, 4), num_res_blocks=1,
-                    latent_channels=64, norm_groups=8, codebook_size=512, quantizer="improved"),
+    "demo-64": dict(
+        image_size=64,
+        base_channels=16,
+        channel_multiplier=(1, 1, 2, 2, 4),
+        num_res_blocks=1,
+        latent_channels=64,
+        norm_groups=8,
+        codebook_size=512,
+        quantizer="improved",
+    ),
     # small photos at 128 px -> 8x8 codes, for CPU training runs on real photos.
-    "small-128": dict(image_size=128, base_channels=32, channel_multiplier=(1, 1, 2, 2, 4), num_res_blocks=1,
-                      latent_channels=64, norm_groups=16, codebook_size=1024, quantizer="improved"),
+    # (the demo-64 network at 128 px: convolutions do not grow with resolution, compute grows 4x)
+    "small-128": dict(
+        image_size=128,
+        base_channels=16,
+        channel_multiplier=(1, 1, 2, 2, 4),
+        num_res_blocks=1,
+        latent_channels=64,
+        norm_groups=8,
+        codebook_size=1024,
+        quantizer="improved",
+    ),
 }

@@ -77,13 +77,19 @@ class ImageTokenizer(nn.Module):
         if isinstance(images, torch.Tensor):
             pixels = images.unsqueeze(0) if images.dim() == 3 else images
             if pixels.dim() != 4 or pixels.shape[1] != self.config.in_channels:
-                raise ValueError(f"expected a (B, 3, H, W) or (3, H, W) tensor, got shape {tuple(images.shape)}")
+                raise ValueError(
+                    f"expected a (B, 3, H, W) or (3, H, W) tensor, got shape {tuple(images.shape)}"
+                )
             if not pixels.dtype.is_floating_point:
-                raise ValueError(f"pixel tensors must be float in [-1, 1], got dtype {pixels.dtype}; "
-                                 "pass PIL images or paths for uint8 data")
+                raise ValueError(
+                    f"pixel tensors must be float in [-1, 1], got dtype {pixels.dtype}; "
+                    "pass PIL images or paths for uint8 data"
+                )
             if pixels.numel() and (pixels.min() < -1.001 or pixels.max() > 1.001):
-                raise ValueError(f"pixel tensors must lie in [-1, 1], got [{float(pixels.min()):.3f}, "
-                                 f"{float(pixels.max()):.3f}]; use tokenizer.image.preprocess")
+                raise ValueError(
+                    f"pixel tensors must lie in [-1, 1], got [{float(pixels.min()):.3f}, "
+                    f"{float(pixels.max()):.3f}]; use tokenizer.image.preprocess"
+                )
             f = self.config.downsample_factor
             if pixels.shape[-1] % f or pixels.shape[-2] % f:
                 raise ValueError(f"height and width must be multiples of {f}, got {tuple(pixels.shape[-2:])}")
@@ -99,7 +105,7 @@ class ImageTokenizer(nn.Module):
         dtype = self.quant_conv.weight.dtype
         chunks = []
         for start in range(0, pixels.shape[0], batch_size):
-            batch = pixels[start:start + batch_size].to(self.device, dtype)
+            batch = pixels[start : start + batch_size].to(self.device, dtype)
             chunks.append(self.quantize_codes(self.encode_latents(batch)))
         if not chunks:
             h, w = self.grid_shape
@@ -124,10 +130,15 @@ class ImageTokenizer(nn.Module):
         if codes.dim() != 3:
             raise ValueError(f"codes must have shape (B, h, w) or (h, w), got {tuple(codes.shape)}")
         latents = self.quantize.codes_to_latents(codes.to(self.device))
-        chunks = [self.decode_latents(latents[i:i + batch_size]).clamp(-1, 1)
-                  for i in range(0, latents.shape[0], batch_size)]
-        return torch.cat(chunks) if chunks else latents.new_empty(0, 3, *[s * self.config.downsample_factor
-                                                                         for s in codes.shape[1:]])
+        chunks = [
+            self.decode_latents(latents[i : i + batch_size]).clamp(-1, 1)
+            for i in range(0, latents.shape[0], batch_size)
+        ]
+        return (
+            torch.cat(chunks)
+            if chunks
+            else latents.new_empty(0, 3, *[s * self.config.downsample_factor for s in codes.shape[1:]])
+        )
 
     to_pil = staticmethod(to_pil)
 
@@ -156,14 +167,18 @@ class ImageTokenizer(nn.Module):
         return directory
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike, map_location: str | torch.device = "cpu") -> ImageTokenizer:
+    def from_pretrained(
+        cls, directory: str | os.PathLike, map_location: str | torch.device = "cpu"
+    ) -> ImageTokenizer:
         """Load a bundle written by `save_pretrained` (in eval mode)."""
         directory = Path(directory)
         config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
         for path in (config_path, weights_path):
             if not path.is_file():
-                raise FileNotFoundError(f"{path} is missing: an image tokenizer bundle needs {CONFIG_NAME} and "
-                                        f"{WEIGHTS_NAME} (write one with save_pretrained or `train.py tokenizer export`)")
+                raise FileNotFoundError(
+                    f"{path} is missing: an image tokenizer bundle needs {CONFIG_NAME} and "
+                    f"{WEIGHTS_NAME} (write one with save_pretrained or `train.py tokenizer export`)"
+                )
         config = ImageTokenizerConfig.from_dict(json.loads(config_path.read_text()))
         model = cls(config)
         state = load_file(str(weights_path), device=str(map_location))
@@ -182,11 +197,20 @@ class ImageTokenizer(nn.Module):
         if getattr(hf, "double_latent", False):
             raise ValueError("ChameleonVQVAE with double_latent=True is not supported (Chameleon uses False)")
         config = ImageTokenizerConfig(
-            image_size=hf.resolution, in_channels=hf.in_channels, base_channels=hf.base_channels,
-            channel_multiplier=tuple(hf.channel_multiplier), num_res_blocks=hf.num_res_blocks,
-            attn_resolutions=attn, latent_channels=hf.latent_channels, dropout=float(hf.dropout),
-            codebook_size=hf.num_embeddings, embed_dim=hf.embed_dim, quantizer="chameleon",
-            commitment_weight=float(getattr(vqvae.quantize, "beta", 0.25)), name="chameleon-import", **overrides,
+            image_size=hf.resolution,
+            in_channels=hf.in_channels,
+            base_channels=hf.base_channels,
+            channel_multiplier=tuple(hf.channel_multiplier),
+            num_res_blocks=hf.num_res_blocks,
+            attn_resolutions=attn,
+            latent_channels=hf.latent_channels,
+            dropout=float(hf.dropout),
+            codebook_size=hf.num_embeddings,
+            embed_dim=hf.embed_dim,
+            quantizer="chameleon",
+            commitment_weight=float(getattr(vqvae.quantize, "beta", 0.25)),
+            name="chameleon-import",
+            **overrides,
         )
         model = cls(config)
         source = vqvae.state_dict()
@@ -196,10 +220,14 @@ class ImageTokenizer(nn.Module):
             if key == "quantize.embedding.weight":
                 continue
             if key not in ours:  # same module names by construction
-                raise ValueError(f"unexpected ChameleonVQVAE weight {key!r}; cannot map it onto ImageTokenizer")
+                raise ValueError(
+                    f"unexpected ChameleonVQVAE weight {key!r}; cannot map it onto ImageTokenizer"
+                )
             loaded[key] = value
         model.load_state_dict(loaded, strict=False)
-        missing = {k for k in ours if k.startswith(("encoder.", "quant_conv.", "post_quant_conv."))} - set(loaded)
+        missing = {k for k in ours if k.startswith(("encoder.", "quant_conv.", "post_quant_conv."))} - set(
+            loaded
+        )
         if missing:
             raise ValueError(f"ChameleonVQVAE lacks weights for {sorted(missing)[:5]}...; configs disagree")
         with torch.no_grad():

@@ -27,9 +27,21 @@ def psnr(reconstruction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 # VGG16 `features` layers in torchvision's numbering; LPIPS reads the ReLU outputs after these convs.
-_VGG16_CONVS = [(0, 3, 64), (2, 64, 64), (5, 64, 128), (7, 128, 128), (10, 128, 256), (12, 256, 256),
-                (14, 256, 256), (17, 256, 512), (19, 512, 512), (21, 512, 512), (24, 512, 512), (26, 512, 512),
-                (28, 512, 512)]
+_VGG16_CONVS = [
+    (0, 3, 64),
+    (2, 64, 64),
+    (5, 64, 128),
+    (7, 128, 128),
+    (10, 128, 256),
+    (12, 256, 256),
+    (14, 256, 256),
+    (17, 256, 512),
+    (19, 512, 512),
+    (21, 512, 512),
+    (24, 512, 512),
+    (26, 512, 512),
+    (28, 512, 512),
+]
 _VGG16_TAPS = (2, 7, 14, 21, 28)  # relu1_2, relu2_2, relu3_3, relu4_3, relu5_3
 _VGG16_WIDTHS = (64, 128, 256, 512, 512)
 
@@ -45,18 +57,24 @@ class PerceptualLoss(nn.Module):
     def __init__(self, weights_path: str | os.PathLike):
         super().__init__()
         state = _load_state(Path(weights_path))
-        self.features = nn.ModuleDict({str(i): nn.Conv2d(cin, cout, 3, padding=1) for i, cin, cout in _VGG16_CONVS})
+        self.features = nn.ModuleDict(
+            {str(i): nn.Conv2d(cin, cout, 3, padding=1) for i, cin, cout in _VGG16_CONVS}
+        )
         feats = {k.removeprefix("features."): v for k, v in state.items() if k.startswith("features.")}
         missing = self.features.load_state_dict(feats, strict=False).missing_keys
         if missing:
-            raise ValueError(f"{weights_path}: missing VGG16 weights {missing[:4]}...; expected torchvision "
-                             "vgg16 `features.N.weight` keys")
+            raise ValueError(
+                f"{weights_path}: missing VGG16 weights {missing[:4]}...; expected torchvision "
+                "vgg16 `features.N.weight` keys"
+            )
         heads = [state.get(f"lin{k}.model.1.weight") for k in range(5)]
         for k, (head, width) in enumerate(zip(heads, _VGG16_WIDTHS)):
             weight = torch.ones(1, width, 1, 1) if head is None else head.reshape(1, width, 1, 1).float()
             self.register_buffer(f"lin{k}", weight, persistent=False)
         # ImageNet statistics in LPIPS' [-1, 1] input convention
-        self.register_buffer("shift", torch.tensor([-0.030, -0.088, -0.188]).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer(
+            "shift", torch.tensor([-0.030, -0.088, -0.188]).view(1, 3, 1, 1), persistent=False
+        )
         self.register_buffer("scale", torch.tensor([0.458, 0.448, 0.450]).view(1, 3, 1, 1), persistent=False)
         self.requires_grad_(False)
         self.eval()
@@ -85,8 +103,10 @@ class PerceptualLoss(nn.Module):
 
 def _load_state(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
-        raise FileNotFoundError(f"perceptual weights file {path} not found; pass a local VGG16 weights file "
-                                "(nothing is downloaded) or set perceptual_weight to 0")
+        raise FileNotFoundError(
+            f"perceptual weights file {path} not found; pass a local VGG16 weights file "
+            "(nothing is downloaded) or set perceptual_weight to 0"
+        )
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
@@ -105,10 +125,13 @@ class PatchDiscriminator(nn.Module):
         blocks: list[nn.Module] = [nn.Conv2d(in_channels, width, 4, stride=2, padding=1), nn.LeakyReLU(0.2)]
         mult = 1
         for n in range(1, layers + 1):
-            prev, mult = mult, min(2 ** n, 8)
+            prev, mult = mult, min(2**n, 8)
             stride = 2 if n < layers else 1
-            blocks += [nn.Conv2d(width * prev, width * mult, 4, stride=stride, padding=1, bias=False),
-                       nn.GroupNorm(1, width * mult), nn.LeakyReLU(0.2)]  # GroupNorm: batch-independent under DDP
+            blocks += [
+                nn.Conv2d(width * prev, width * mult, 4, stride=stride, padding=1, bias=False),
+                nn.GroupNorm(1, width * mult),
+                nn.LeakyReLU(0.2),
+            ]  # GroupNorm: batch-independent under DDP
         blocks.append(nn.Conv2d(width * mult, 1, 4, stride=1, padding=1))
         self.net = nn.Sequential(*blocks)
         for module in self.modules():  # VQGAN's init
@@ -125,7 +148,9 @@ def hinge_d_loss(logits_real: torch.Tensor, logits_fake: torch.Tensor) -> torch.
     return 0.5 * (F.relu(1.0 - logits_real).mean() + F.relu(1.0 + logits_fake).mean())
 
 
-def adaptive_weight(nll: torch.Tensor, g_loss: torch.Tensor, last_layer: torch.Tensor, max_weight: float = 1e4) -> torch.Tensor:
+def adaptive_weight(
+    nll: torch.Tensor, g_loss: torch.Tensor, last_layer: torch.Tensor, max_weight: float = 1e4
+) -> torch.Tensor:
     """VQGAN's balance: |grad of nll| / |grad of GAN loss| at the decoder's last layer (detached)."""
     nll_grad = torch.autograd.grad(nll, last_layer, retain_graph=True)[0]
     g_grad = torch.autograd.grad(g_loss, last_layer, retain_graph=True)[0]

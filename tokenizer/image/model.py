@@ -25,7 +25,9 @@ class ResnetBlock(nn.Module):
         self.dropout = nn.Dropout(dropout)
         self.conv2 = nn.Conv2d(out_channels, out_channels, kernel_size=3, padding=1)
         # name kept from VQGAN/transformers so weights load by name
-        self.nin_shortcut = nn.Conv2d(in_channels, out_channels, kernel_size=1) if in_channels != out_channels else None
+        self.nin_shortcut = (
+            nn.Conv2d(in_channels, out_channels, kernel_size=1) if in_channels != out_channels else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Residual update of a (B, C, H, W) feature map."""
@@ -50,7 +52,9 @@ class AttnBlock(nn.Module):
         """Residual attention; SDPA's default 1/sqrt(C) scale is VQGAN's."""
         b, c, h, w = x.shape
         normed = self.norm(x)
-        q, k, v = (proj(normed).reshape(b, 1, c, h * w).transpose(-1, -2) for proj in (self.q, self.k, self.v))
+        q, k, v = (
+            proj(normed).reshape(b, 1, c, h * w).transpose(-1, -2) for proj in (self.q, self.k, self.v)
+        )
         out = F.scaled_dot_product_attention(q, k, v)  # (b, 1, hw, c)
         return x + self.proj_out(out.transpose(-1, -2).reshape(b, c, h, w))
 

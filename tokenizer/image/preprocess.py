@@ -114,8 +114,10 @@ def open_image(source: ImageSource, name: str | None = None) -> Image.Image:
                 raise ImageLoadError(f"{label}: no such file; check the path.")
             img = Image.open(path)
         else:
-            raise ImageLoadError(f"{label}: unsupported image source type {type(source).__name__}; "
-                                 "pass a path, bytes or a PIL image.")
+            raise ImageLoadError(
+                f"{label}: unsupported image source type {type(source).__name__}; "
+                "pass a path, bytes or a PIL image."
+            )
         _check_size(*img.size, label)
         if getattr(img, "n_frames", 1) > 1:
             img.seek(0)  # policy: the first frame of an animation
@@ -127,9 +129,13 @@ def open_image(source: ImageSource, name: str | None = None) -> Image.Image:
     except ImageLoadError:
         raise
     except Image.UnidentifiedImageError as err:
-        raise ImageLoadError(f"{label}: not an image file PIL can read ({err}); remove it or convert it.") from err
+        raise ImageLoadError(
+            f"{label}: not an image file PIL can read ({err}); remove it or convert it."
+        ) from err
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as err:
-        raise ImageLoadError(f"{label}: refused as a decompression bomb ({err}); downscale it first.") from err
+        raise ImageLoadError(
+            f"{label}: refused as a decompression bomb ({err}); downscale it first."
+        ) from err
     except (OSError, SyntaxError, ValueError, EOFError) as err:
         raise ImageLoadError(
             f"{label}: truncated or corrupt image ({type(err).__name__}: {err}); re-download or re-encode it."

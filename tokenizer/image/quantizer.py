@@ -59,7 +59,9 @@ class Quantizer(nn.Module):
         """Quantize (B, D, h, w) latents; in training mode this also updates the EMA codebook."""
         b, d, h, w = latents.shape
         if d != self.embed_dim:
-            raise ValueError(f"quantizer expects {self.embed_dim} channels, got latents of shape {tuple(latents.shape)}")
+            raise ValueError(
+                f"quantizer expects {self.embed_dim} channels, got latents of shape {tuple(latents.shape)}"
+            )
         # channel-last sequences rather than accept_image_fmap=True (DESIGN §8: that path misbehaved once)
         flat = rearrange(latents, "b d h w -> b (h w) d")
         quantized, codes, loss = self.vq(flat)

@@ -1,0 +1,177 @@
+"""Training images for the tokenizer: the built-in offline photos (skimage.data) as random crops with held-out
+photos for validation, an image folder, or raw webdataset shards; bad files are skipped and counted."""
+
+from __future__ import annotations
+
+import glob
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from tokenizer.image.preprocess import ImageLoadError, open_image, preprocess
+
+# Natural photos that skimage ships (no download). Held-out photos never appear in training crops.
+TRAIN_PHOTOS = (
+    "astronaut",
+    "coffee",
+    "hubble_deep_field",
+    "immunohistochemistry",
+    "retina",
+    "camera",
+    "brick",
+    "grass",
+    "moon",
+    "coins",
+    "clock",
+    "cell",
+)
+HELD_OUT_PHOTOS = ("chelsea", "rocket", "gravel")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+
+
+def load_photo(name: str) -> torch.Tensor:
+    """A skimage.data photo as (3, H, W) float in [-1, 1] (grayscale repeated to RGB)."""
+    import skimage.data
+
+    array = np.asarray(getattr(skimage.data, name)())
+    if array.ndim == 2:
+        array = np.repeat(array[..., None], 3, axis=2)
+    return torch.from_numpy(array[..., :3].astype(np.float32) / 127.5 - 1.0).permute(2, 0, 1).contiguous()
+
+
+def random_crop(image: torch.Tensor, size: int, generator: torch.Generator) -> torch.Tensor:
+    """A random square crop (side uniform between `size` and the shortest side), resized to `size`, maybe flipped."""
+    _, h, w = image.shape
+    short = min(h, w)
+    low = min(size, short)
+    side = int(torch.randint(low, short + 1, (1,), generator=generator))
+    top = int(torch.randint(0, h - side + 1, (1,), generator=generator))
+    left = int(torch.randint(0, w - side + 1, (1,), generator=generator))
+    crop = image[:, top : top + side, left : left + side].unsqueeze(0)
+    if side != size:
+        crop = F.interpolate(crop, size=(size, size), mode="bicubic", antialias=True, align_corners=False)
+    crop = crop.squeeze(0).clamp(-1, 1)
+    if bool(torch.rand((), generator=generator) < 0.5):
+        crop = crop.flip(-1)
+    return crop
+
+
+class PhotoCrops(Dataset):
+    """`length` random crops of the given skimage photos; crop i is a pure function of (seed, i)."""
+
+    def __init__(self, photos: tuple[str, ...], size: int, length: int, seed: int = 0):
+        self.images = [load_photo(name) for name in photos]
+        self.size, self.length, self.seed = size, length, seed
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        image = self.images[int(torch.randint(len(self.images), (1,), generator=generator))]
+        return random_crop(image, self.size, generator)
+
+
+class ImageFiles(Dataset):
+    """Image files: Chameleon's center crop (validation) or a random crop of the resized image (training).
+
+    Unreadable files raise `ImageLoadError`, or with `skip_bad=True` are replaced by the next good file and
+    recorded in `skipped` (per worker process).
+    """
+
+    def __init__(self, files: list[Path], size: int, train: bool, skip_bad: bool = True, seed: int = 0):
+        if not files:
+            raise ValueError("no image files found; check the folder or pattern")
+        self.files, self.size, self.train, self.skip_bad, self.seed = files, size, train, skip_bad, seed
+        self.skipped: dict[str, str] = {}
+        self.epoch_offset = 0
+
+    def __len__(self) -> int:
+        return len(self.files)
+
+    def _load(self, index: int) -> torch.Tensor:
+        path = self.files[index]
+        if not self.train:
+            return preprocess(path, self.size)
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + index + self.epoch_offset)
+        img = open_image(path)
+        scale = self.size * 1.25 / min(img.size)  # slightly larger than the crop, so crops move
+        pixels = torch.from_numpy(
+            np.asarray(
+                img.resize(
+                    (max(self.size, round(img.width * scale)), max(self.size, round(img.height * scale)))
+                ),
+                dtype=np.float32,
+            )
+            / 127.5
+            - 1.0
+        ).permute(2, 0, 1)
+        return random_crop(pixels, self.size, generator)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        for attempt in range(len(self.files)):
+            i = (index + attempt) % len(self.files)
+            try:
+                return self._load(i)
+            except ImageLoadError as err:
+                if not self.skip_bad:
+                    raise
+                self.skipped[str(self.files[i])] = str(err)
+        raise ImageLoadError(
+            f"none of the {len(self.files)} image files could be read; first error: "
+            f"{next(iter(self.skipped.values()), '?')}"
+        )
+
+
+class ShardImages(IterableDataset):
+    """Every image of raw webdataset shards (documents' `0.png`, `1.jpg`, ...), split over ranks and workers.
+
+    Reads tar members as bytes only: webdataset's decoders (which unpickle `.pyd` entries) are never used.
+    """
+
+    def __init__(self, pattern: str, size: int, train: bool, skip_bad: bool = True, seed: int = 0):
+        self.urls = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
+        if not self.urls:
+            raise ValueError(f"no shard files match {pattern!r}")
+        self.size, self.train, self.skip_bad, self.seed = size, train, skip_bad, seed
+        self.skipped: dict[str, str] = {}
+
+    def __iter__(self):
+        import webdataset as wds
+
+        worker = get_worker_info()
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        workers, worker_id = (worker.num_workers, worker.id) if worker else (1, 0)
+        urls = self.urls[rank * workers + worker_id :: world * workers] or self.urls[:1]
+        generator = torch.Generator().manual_seed(self.seed * 7919 + rank * 101 + worker_id)
+        for sample in wds.WebDataset(urls, shardshuffle=False, empty_check=False):
+            for key, value in sample.items():
+                if not key.lower().endswith(tuple(s[1:] for s in IMAGE_SUFFIXES)) or not isinstance(
+                    value, bytes
+                ):
+                    continue
+                name = f"{sample.get('__url__', '?')}:{sample.get('__key__', '?')}.{key}"
+                try:
+                    if self.train:
+                        img = open_image(value, name)
+                        big = preprocess(img, math.ceil(self.size * 1.25), name)
+                        yield random_crop(big, self.size, generator)
+                    else:
+                        yield preprocess(value, self.size, name)
+                except ImageLoadError as err:
+                    if not self.skip_bad:
+                        raise
+                    self.skipped[name] = str(err)
+
+
+def list_image_files(folder: str | Path) -> list[Path]:
+    """All image files under `folder` (recursive, sorted)."""
+    root = Path(folder)
+    if not root.is_dir():
+        raise ValueError(f"image folder {root} does not exist")
+    return sorted(p for p in root.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())

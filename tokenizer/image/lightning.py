@@ -1,0 +1,303 @@
+"""Lightning training of the image tokenizer: the module (reconstruction + commitment, optional perceptual and
+PatchGAN losses; PSNR, codebook usage, perplexity, image grids) and the data module (photos, folder, shards)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from tokenizer.image import data as image_data
+from tokenizer.image.config import ImageTokenizerConfig
+from tokenizer.image.image_tokenizer import ImageTokenizer
+from tokenizer.image.losses import (
+    PatchDiscriminator,
+    PerceptualLoss,
+    adaptive_weight,
+    hinge_d_loss,
+    psnr,
+    reconstruction_loss,
+)
+from tokenizer.image.preprocess import to_pil
+from tokenizer.image.quantizer import set_codebook_sync, stats_from_counts
+
+
+class ImageTokenizerModule(L.LightningModule):
+    """Trains an `ImageTokenizer` built from a preset (plus field overrides, e.g. {"quantizer": "chameleon"})."""
+
+    def __init__(
+        self,
+        preset: str = "demo-64",
+        overrides: dict[str, Any] | None = None,
+        learning_rate: float = 1e-3,
+        betas: tuple[float, float] = (0.5, 0.9),
+        weight_decay: float = 0.0,
+        warmup_steps: int = 100,
+        recon_loss: str = "l1",
+        recon_weight: float = 1.0,
+        perceptual_weight: float = 0.0,
+        perceptual_weights: str | None = None,
+        disc_weight: float = 0.0,
+        disc_start: int = 2000,
+        disc_width: int = 32,
+        disc_layers: int = 2,
+        grad_clip: float = 1.0,
+        grid_images: int = 8,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.automatic_optimization = (
+            False  # two optimizers (generator, discriminator) and an adaptive weight
+        )
+        self.tokenizer = ImageTokenizer(ImageTokenizerConfig.from_preset(preset, **(overrides or {})))
+        self.discriminator = PatchDiscriminator(3, disc_width, disc_layers) if disc_weight > 0 else None
+        # frozen and loaded from a local file: kept out of the state dict (not registered as a submodule)
+        self._perceptual = [PerceptualLoss(perceptual_weights)] if perceptual_weight > 0 else []
+        if perceptual_weight > 0 and not perceptual_weights:
+            raise ValueError("perceptual_weight > 0 needs perceptual_weights: a local VGG16 weights file")
+        self.register_buffer("steps_done", torch.zeros((), dtype=torch.long))
+        self._val_counts: torch.Tensor | None = None
+
+    # ----- setup -----
+
+    def setup(self, stage: str) -> None:
+        """Switch on codebook synchronisation when the DDP process group exists (it does not at __init__)."""
+        set_codebook_sync(self.tokenizer.quantize)
+        datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
+        size = getattr(datamodule, "image_size", None)
+        if size is not None and size != self.tokenizer.config.image_size:
+            raise ValueError(
+                f"data.image_size={size} but the tokenizer preset expects {self.tokenizer.config.image_size}"
+                "; set both to the same value"
+            )
+
+    def configure_optimizers(self):
+        """AdamW for the tokenizer (and the discriminator), linear warmup."""
+        hp = self.hparams
+        opt_g = torch.optim.AdamW(
+            self.tokenizer.parameters(),
+            lr=hp.learning_rate,
+            betas=tuple(hp.betas),
+            weight_decay=hp.weight_decay,
+        )
+        warmup = max(1, hp.warmup_steps)
+        sched_g = torch.optim.lr_scheduler.LambdaLR(opt_g, lambda step: min(1.0, (step + 1) / warmup))
+        if self.discriminator is None:
+            return [opt_g], [sched_g]
+        opt_d = torch.optim.AdamW(
+            self.discriminator.parameters(),
+            lr=hp.learning_rate,
+            betas=tuple(hp.betas),
+            weight_decay=hp.weight_decay,
+        )
+        return [opt_g, opt_d], [sched_g]
+
+    # ----- training -----
+
+    def _nll(
+        self, reconstruction: torch.Tensor, pixels: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        hp = self.hparams
+        rec = reconstruction_loss(reconstruction, pixels, hp.recon_loss)
+        logs = {"recon": rec}
+        nll = hp.recon_weight * rec
+        if self._perceptual:
+            perceptual = self._perceptual[0].to(pixels.device)(reconstruction, pixels)
+            logs["perceptual"] = perceptual
+            nll = nll + hp.perceptual_weight * perceptual
+        return nll, logs
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        """One generator step (and one discriminator step once the GAN has started)."""
+        hp = self.hparams
+        optimizers = self.optimizers()
+        opt_g = optimizers[0] if isinstance(optimizers, list) else optimizers
+        pixels = batch
+        out = self.tokenizer(pixels)
+        nll, logs = self._nll(out.reconstruction, pixels)
+        loss = nll + out.vq_loss
+        gan_on = self.discriminator is not None and int(self.steps_done) >= hp.disc_start
+        if gan_on:
+            g_loss = -self.discriminator(out.reconstruction).mean()
+            weight = adaptive_weight(nll, g_loss, self.tokenizer.decoder.last_layer) * hp.disc_weight
+            loss = loss + weight * g_loss
+            logs.update(g_loss=g_loss, disc_weight=weight)
+        opt_g.zero_grad(set_to_none=True)
+        self.manual_backward(loss)
+        if hp.grad_clip > 0:
+            self.clip_gradients(opt_g, gradient_clip_val=hp.grad_clip, gradient_clip_algorithm="norm")
+        opt_g.step()
+        scheduler = self.lr_schedulers()
+        if scheduler is not None:
+            scheduler.step()
+        if gan_on:
+            opt_d = optimizers[1]
+            d_loss = hinge_d_loss(self.discriminator(pixels), self.discriminator(out.reconstruction.detach()))
+            opt_d.zero_grad(set_to_none=True)
+            self.manual_backward(d_loss)
+            opt_d.step()
+            logs["d_loss"] = d_loss
+        self.steps_done += 1
+        logs.update(loss=loss, vq=out.vq_loss, psnr=psnr(out.reconstruction.detach(), pixels).mean())
+        self.log_dict(
+            {f"train/{k}": v.detach() for k, v in logs.items()}, prog_bar=False, batch_size=len(pixels)
+        )
+        self.log("train/psnr_bar", logs["psnr"], prog_bar=True, logger=False, batch_size=len(pixels))
+        return loss.detach()
+
+    # ----- validation -----
+
+    def on_validation_epoch_start(self) -> None:
+        """Reset the histogram of validation codes."""
+        self._val_counts = torch.zeros(
+            self.tokenizer.config.codebook_size, dtype=torch.long, device=self.device
+        )
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        """Reconstruction loss, PSNR and code histogram on held-out images."""
+        if not bool(self.tokenizer.quantize.vq._codebook.initted):
+            return  # k-means init must see training data, not the sanity-check's validation batch
+        pixels = batch
+        out = self.tokenizer(pixels)
+        nll, logs = self._nll(out.reconstruction, pixels)
+        self._val_counts += torch.bincount(out.codes.flatten(), minlength=self._val_counts.numel())
+        n = len(pixels)
+        self.log("val/recon", logs["recon"], sync_dist=True, batch_size=n)
+        self.log(
+            "val/psnr", psnr(out.reconstruction, pixels).mean(), sync_dist=True, prog_bar=True, batch_size=n
+        )
+        if batch_idx == 0:
+            self._log_grid(pixels[: self.hparams.grid_images], out.reconstruction[: self.hparams.grid_images])
+
+    def on_validation_epoch_end(self) -> None:
+        """Codebook usage (fraction of codes used on the validation set) and perplexity, summed over ranks."""
+        if self._val_counts is None or int(self._val_counts.sum()) == 0:
+            return
+        counts = self.trainer.strategy.reduce(self._val_counts.double(), reduce_op="sum")
+        stats = stats_from_counts(counts.cpu())
+        self.log("val/usage", stats["usage"], prog_bar=True, rank_zero_only=True)
+        self.log("val/perplexity", stats["perplexity"], rank_zero_only=True)
+        self.log("val/codes_used", float(stats["codes_used"]), rank_zero_only=True)
+
+    def _log_grid(self, originals: torch.Tensor, reconstructions: torch.Tensor) -> None:
+        """Top row originals, bottom row reconstructions: to TensorBoard if present, and as a PNG in the log dir."""
+        if self.trainer.sanity_checking or not self.trainer.is_global_zero:
+            return
+        grid = torch.cat(
+            [torch.cat(list(originals), dim=-1), torch.cat(list(reconstructions.clamp(-1, 1)), dim=-1)],
+            dim=-2,
+        )
+        for logger in self.loggers:
+            experiment = getattr(logger, "experiment", None)
+            if hasattr(experiment, "add_image"):
+                experiment.add_image("val/originals_vs_reconstructions", (grid + 1) / 2, self.global_step)
+        log_dir = self.trainer.log_dir
+        if log_dir:
+            folder = Path(log_dir) / "images"
+            folder.mkdir(parents=True, exist_ok=True)
+            target = folder / f"epoch{self.current_epoch:03d}_step{int(self.steps_done):06d}.png"
+            tmp = target.with_suffix(".tmp.png")
+            to_pil(grid).save(tmp)
+            os.replace(tmp, target)
+
+
+class ImageDataModule(L.LightningDataModule):
+    """Tokenizer training data: `source` is "photos" (built-in skimage photos), an image folder, or a shard pattern.
+
+    Validation: held-out photos (photos), `val_source`, or every `val_every`-th file of the folder.
+    """
+
+    def __init__(
+        self,
+        source: str = "photos",
+        val_source: str | None = None,
+        image_size: int = 64,
+        batch_size: int = 16,
+        num_workers: int = 0,
+        train_samples: int = 4096,
+        val_samples: int = 64,
+        val_every: int = 20,
+        skip_bad_images: bool = True,
+        seed: int = 0,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.image_size = image_size
+        self.train_set = self.val_set = None
+
+    def setup(self, stage: str | None = None) -> None:
+        """Build the datasets (crops are computed on the fly)."""
+        hp = self.hparams
+        if self.train_set is not None:
+            return
+        if hp.source == "photos":
+            self.train_set = image_data.PhotoCrops(
+                image_data.TRAIN_PHOTOS, hp.image_size, hp.train_samples, hp.seed
+            )
+            self.val_set = image_data.PhotoCrops(
+                image_data.HELD_OUT_PHOTOS, hp.image_size, hp.val_samples, seed=hp.seed + 10_000
+            )
+        elif Path(hp.source).is_dir():
+            files = image_data.list_image_files(hp.source)
+            if hp.val_source is not None:
+                train_files, val_files = files, image_data.list_image_files(hp.val_source)
+            else:
+                val_files = files[:: hp.val_every]
+                train_files = [f for f in files if f not in set(val_files)] or files
+            self.train_set = image_data.ImageFiles(
+                train_files, hp.image_size, True, hp.skip_bad_images, hp.seed
+            )
+            self.val_set = image_data.ImageFiles(
+                val_files[: hp.val_samples], hp.image_size, False, hp.skip_bad_images
+            )
+        else:  # webdataset shards
+            self.train_set = image_data.ShardImages(
+                hp.source, hp.image_size, True, hp.skip_bad_images, hp.seed
+            )
+            val = hp.val_source or hp.source
+            self.val_set = image_data.ShardImages(val, hp.image_size, False, hp.skip_bad_images)
+
+    def _loader(self, dataset, shuffle: bool) -> DataLoader:
+        iterable = isinstance(dataset, torch.utils.data.IterableDataset)
+        return DataLoader(
+            dataset,
+            batch_size=self.hparams.batch_size,
+            shuffle=shuffle and not iterable,
+            num_workers=self.hparams.num_workers,
+            drop_last=shuffle,
+            persistent_workers=self.hparams.num_workers > 0,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Random crops, shuffled."""
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        """Held-out images, fixed order."""
+        return self._loader(self.val_set, shuffle=False)
+
+    def skipped(self) -> dict[str, str]:
+        """Bad files skipped so far in this process: name -> reason."""
+        found: dict[str, str] = {}
+        for dataset in (self.train_set, self.val_set):
+            found.update(getattr(dataset, "skipped", {}))
+        return found
+
+
+class ExportTokenizer(L.Callback):
+    """At the end of fit, write the inference bundle (config json + safetensors) to `<log_dir>/tokenizer`."""
+
+    def __init__(self, dirpath: str | None = None):
+        self.dirpath = dirpath
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Save from rank zero only."""
+        if not trainer.is_global_zero or not isinstance(pl_module, ImageTokenizerModule):
+            return
+        target = Path(self.dirpath or Path(trainer.log_dir or ".") / "tokenizer")
+        pl_module.tokenizer.save_pretrained(target)
+        print(f"image tokenizer bundle written to {target} (fingerprint {pl_module.tokenizer.fingerprint()})")
