@@ -457,16 +457,41 @@ def split_segments(ids: list[int], vocab: Any, grid: tuple[int, int] | None) -> 
     return segments
 
 
+def decode_outputs(rows: list[list[int]], vocab: Any, image_tokenizer: Any, grid: tuple[int, int] | None) -> list[list[Any]]:
+    """Generated ids of each prompt → segments, image grids decoded to PIL images (all images in one batch)."""
+    from tokenizer.image import to_pil
+
+    split = [split_segments(row, vocab, grid) for row in rows]
+    grids = [seg for segments in split for seg in segments if not isinstance(seg, str)]
+    if grids and image_tokenizer is None:
+        raise ValueError("the output contains images but no image tokenizer was given to decode them")
+    pixels = image_tokenizer.decode(torch.stack(grids)) if grids else None
+    results, k = [], 0
+    for segments in split:
+        out: list[Any] = []
+        for seg in segments:
+            if isinstance(seg, str):
+                out.append(seg)
+            else:
+                out.append(to_pil(pixels[k]))
+                k += 1
+        results.append(out)
+    return results
+
+
 def generate(
     model: torch.nn.Module,
     vocab: Any,
     image_tokenizer: Any,
     prompts: list[list[str | Image.Image | os.PathLike]],
     config: SamplingConfig,
-) -> list[list[str | Image.Image]]:
-    """Sample a continuation of each prompt (text, PIL images or pathlib.Path images) as text and PIL images."""
-    from tokenizer.image import to_pil
+    *,
+    return_ids: bool = False,
+) -> list[list[str | Image.Image]] | tuple[list[list[str | Image.Image]], list[list[int]]]:
+    """Sample a continuation of each prompt (text, PIL images or pathlib.Path images) as text and PIL images.
 
+    With return_ids, also returns the generated ids of each prompt.
+    """
     if image_tokenizer is not None:
         grid = tuple(image_tokenizer.grid_shape)
         if config.image_grid is not None and tuple(config.image_grid) != grid:
@@ -478,19 +503,9 @@ def generate(
                 "pass the image tokenizer the vocabulary was built for"
             )
         config = SamplingConfig(**{**config.__dict__, "image_grid": grid})
-    elif config.mode == "image":
-        raise ValueError("mode 'image' needs an image tokenizer to decode the images")
+    elif config.mode != "text":
+        raise ValueError(f"mode {config.mode!r} can produce images: give an image tokenizer to decode them (or use mode 'text')")
     ids = [encode_prompt(p, vocab, image_tokenizer) for p in prompts]
     new_ids = generate_ids(model, vocab, ids, config)
-    results: list[list[str | Image.Image]] = []
-    for row in new_ids:
-        segments: list[str | Image.Image] = []
-        for seg in split_segments(row, vocab, config.image_grid):
-            if isinstance(seg, str):
-                segments.append(seg)
-            elif image_tokenizer is not None:
-                device = next(image_tokenizer.parameters()).device
-                pixels = image_tokenizer.decode(seg[None].to(device))
-                segments.append(to_pil(pixels[0]))
-        results.append(segments)
-    return results
+    samples = decode_outputs(new_ids, vocab, image_tokenizer, config.image_grid)
+    return (samples, new_ids) if return_ids else samples

@@ -308,7 +308,7 @@ class ColourTokenizer(torch.nn.Module):
 
     def encode(self, images):
         size = (self.grid_shape[1], self.grid_shape[0])
-        grey = torch.stack([torch.from_numpy(np.asarray(im.convert("L").resize(size))) for im in images])
+        grey = torch.stack([torch.from_numpy(np.array(im.convert("L").resize(size))) for im in images])
         return grey.long() * len(self.palette) // 256
 
     def decode(self, codes):
@@ -331,7 +331,8 @@ def test_generate_decodes_images_to_the_configured_size_and_writes_png_json_html
     body = json.loads(paths["json"].read_text())
     assert [r["ids"] for r in body["samples"]] == [[1, 2], [3]]
     first_png = tmp_path / "out" / body["samples"][0]["output"][0]["image"]
-    assert Image.open(first_png).size == (12, 8)
+    with Image.open(first_png) as png:
+        assert png.size == (12, 8)
     assert body["samples"][1]["prompt"][1]["source"] == str(photo)
     page = paths["html"].read_text()
     assert page.count("data:image/png;base64,") == 3 and "a dog" in page and "src=\"http" not in page

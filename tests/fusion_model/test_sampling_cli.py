@@ -1,0 +1,93 @@
+"""`python train.py generate`: every option documented, a checkpoint + tokenizers in, PNG/JSON/HTML out."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from fusion_model.config import FusionConfig
+from fusion_model.convert_cli import save_checkpoint_model
+from fusion_model.generate_cli import main, parser
+from fusion_model.model import FusionModel
+from tokenizer.image import ImageTokenizer, ImageTokenizerConfig
+from tokenizer.vocab import train_unified_vocab
+
+CORPUS = ["the cat sat on the mat", "a dog ran far away", "one two three four five six seven"] * 10
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A tiny vocabulary, decoder checkpoint and image tokenizer (2x2 codes of 16) on disk."""
+    root = tmp_path_factory.mktemp("generate")
+    vocab = train_unified_vocab(CORPUS, vocab_size=320, image_codes=16, num_specials=16)
+    vocab.save(root / "tokenizer.json")
+    torch.manual_seed(0)
+    config = FusionConfig.from_preset("tiny", vocab_size=320, image_offset=vocab.image_offset, image_codes=16, max_seq_len=48)
+    save_checkpoint_model(FusionModel(config), root / "model.ckpt")
+    vq = ImageTokenizerConfig(image_size=8, base_channels=8, channel_multiplier=(1, 1, 1), num_res_blocks=1,
+                              latent_channels=8, norm_groups=4, codebook_size=16)
+    ImageTokenizer(vq).save_pretrained(root / "vq")
+    photo = root / "photo.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (10, 10, 3), dtype=np.uint8)).save(photo)
+    return root
+
+
+def test_help_explains_every_option():
+    for action in parser()._actions:
+        assert action.help, f"option {action.option_strings} has no help"
+
+
+def test_generate_writes_images_json_and_html_from_a_checkpoint(files, tmp_path, capsys):
+    out = tmp_path / "samples"
+    argv = ["--checkpoint", str(files / "model.ckpt"), "--vocab", str(files / "tokenizer.json"),
+            "--image-tokenizer", str(files / "vq"), "--prompt", "the cat", "--image", str(files / "photo.png"),
+            "--prompt", "sat", "--mode", "image", "--num-samples", "3", "--batch-size", "2", "--cfg-scale", "2",
+            "--image-top-k", "5", "--out", str(out)]
+    assert main(argv) == 0
+    body = json.loads((out / "samples.json").read_text())
+    assert len(body["samples"]) == 3 and body["settings"]["cfg_scale"] == 2.0
+    for sample in body["samples"]:
+        assert [s.get("text") for s in sample["prompt"]] == ["the cat", None, "sat"]
+        assert len(sample["ids"]) == 2 * 2 + 2  # <boi>, h·w codes, <eoi>
+        (image,) = sample["output"]
+        with Image.open(out / image["image"]) as png:
+            assert png.size == (8, 8)
+    assert "index.html" in capsys.readouterr().out
+    # the same seed writes the same ids again
+    assert main(argv + ["--out", str(tmp_path / "again")]) == 0
+    again = json.loads((tmp_path / "again" / "samples.json").read_text())
+    assert [s["ids"] for s in again["samples"]] == [s["ids"] for s in body["samples"]]
+
+
+def test_text_mode_needs_no_image_tokenizer_and_reads_a_prompts_file(files, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"text": "the dog"}\n\n{"segments": [{"text": "one two"}]}\n')
+    out = tmp_path / "text"
+    argv = ["--checkpoint", str(files / "model.ckpt"), "--vocab", str(files / "tokenizer.json"),
+            "--prompts-file", str(prompts), "--mode", "text", "--max-new-tokens", "7", "--chameleon-defaults",
+            "--out", str(out)]
+    assert main(argv) == 0
+    body = json.loads((out / "samples.json").read_text())
+    assert [len(s["ids"]) <= 7 for s in body["samples"]] == [True, True]
+    assert body["settings"]["repetition_penalty"] == 1.2
+
+
+def test_bad_input_is_reported_with_what_to_do(files, tmp_path, capsys):
+    common = ["--checkpoint", str(files / "model.ckpt"), "--out", str(tmp_path / "x")]
+    other = train_unified_vocab(CORPUS, vocab_size=384, image_codes=16, num_specials=16)
+    other.save(tmp_path / "other.json")
+    assert main(common + ["--vocab", str(tmp_path / "other.json"), "--mode", "text"]) == 1
+    assert "vocab_size 320 but the vocabulary has 384" in capsys.readouterr().err
+    assert main(common + ["--vocab", str(files / "tokenizer.json"), "--image-tokenizer", str(files / "vq"),
+                          "--image", str(tmp_path / "missing.png")]) == 1
+    assert "missing.png" in capsys.readouterr().err
+    assert main(common + ["--mode", "text"]) == 1
+    assert "--vocab is required" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"txt": 1}\n')
+    assert main(common + ["--vocab", str(files / "tokenizer.json"), "--prompts-file", str(bad)]) == 1
+    assert "bad.jsonl:1" in capsys.readouterr().err
