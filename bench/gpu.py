@@ -4,12 +4,14 @@ seconds per 512x512 image (1,024 tokens) at the chameleon-7b shape; `--dry-run` 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -85,6 +87,7 @@ def bench_train_step(config: FusionConfig, *, batch: int, steps: int, warmup: in
                      dtype: torch.dtype, compile_blocks: bool, peak_measured: float) -> dict:
     """Time forward + chunked CE/z-loss + backward + clip + fused AdamW; return tokens/s, MFU and step spread."""
     seq_len = config.max_seq_len
+    _free(device)  # whatever an earlier, failed attempt left behind
     torch.manual_seed(0)
     model = FusionModel(config).to(device=device, dtype=dtype)  # bf16 "true" precision: params and activations
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1,
@@ -182,8 +185,9 @@ def generate_image(model: FusionModel, prompt: torch.Tensor, n_tokens: int, stre
 
 
 def bench_image(config: FusionConfig, *, n_tokens: int, stream_counts: list[int], repeats: int,
-                device: torch.device, dtype: torch.dtype, bandwidth: float) -> dict:
+                device: torch.device, dtype: torch.dtype, bandwidth: float, deadline: float = float("inf")) -> dict:
     """Seconds per image and per token with a KV cache, and the fraction of the weight-bandwidth bound."""
+    _free(device)
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -206,6 +210,8 @@ def bench_image(config: FusionConfig, *, n_tokens: int, stream_counts: list[int]
         _sync(device)
         times = []
         for _ in range(repeats):
+            if times and time.perf_counter() > deadline:
+                break  # one timed image is a figure; running past the script's budget loses all of them
             start = time.perf_counter()
             codes = generate_image(model, prompt, n_tokens, streams, generator)
             _sync(device)
@@ -216,7 +222,7 @@ def bench_image(config: FusionConfig, *, n_tokens: int, stream_counts: list[int]
         per_token = seconds / (n_tokens + 1)  # n_tokens decoding steps plus the prefill
         label = "cfg_3_streams" if streams == 3 else f"batch_{streams}"
         figures[label] = {
-            "seconds_per_image": {"value": seconds, "unit": "s", "runs": repeats},
+            "seconds_per_image": {"value": seconds, "unit": "s", "runs": len(times)},
             "ms_per_token": {"value": per_token * 1e3, "unit": "ms"},
             "bandwidth_bound_fraction": {"value": bound / per_token, "unit": "of bound",
                                          "bound_ms": round(bound * 1e3, 4)},
@@ -243,11 +249,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-compile", action="store_true", help="train eagerly (compile is on by default on GPU)")
     parser.add_argument("--streams", default="1,3", help="comma-separated batch sizes for image generation; "
                         "3 means Chameleon's three-stream CFG (default 1,3)")
+    parser.add_argument("--budget-s", type=float, default=400.0,
+                        help="stop repeating image timings after this many seconds from the start (default 400)")
     return parser.parse_args(argv)
 
 
+def _raise_recompile_limit(n_layers: int) -> None:
+    """Let dynamo keep a graph per block if it specialises on each one (it falls back to eager past the limit)."""
+    import torch._dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), 2 * n_layers))
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run both GPU figures (or their tiny CPU versions) and write gpu.json."""
+    """Run both GPU figures (or their tiny CPU versions) and write gpu.json after each part."""
     args = parse_args(argv)
     cuda = torch.cuda.is_available() and not args.dry_run
     if not cuda and not args.dry_run:
@@ -255,8 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
-    if cuda:
-        torch.backends.cuda.matmul.allow_tf32 = True
+    out_dir = args.results_dir or (Path(tempfile.mkdtemp(prefix="bench-gpu-dry-")) if args.dry_run else None)
     started = time.perf_counter()
     peak = matmul_peak_flops(dtype, device, size=None if cuda else 128, repeats=5 if cuda else 2)
     bandwidth = copy_bandwidth(device, nbytes=None if cuda else 4 << 20, repeats=5 if cuda else 2)
@@ -266,30 +282,63 @@ def main(argv: list[str] | None = None) -> int:
     }
     if spec_peak(device) is not None:
         figures["spec_sheet_peak"] = {"value": spec_peak(device), "unit": "FLOP/s"}
-    config: dict = {"device": torch.cuda.get_device_name(device) if cuda else "cpu (dry run)", "dry_run": args.dry_run}
+    config: dict = {"device": torch.cuda.get_device_name(device) if cuda else "cpu (dry run)",
+                    "dry_run": args.dry_run, "torch": torch.__version__, "errors": {}}
+
+    def save() -> Path:
+        # after every part, so a run cut short by its time limit still leaves what it measured
+        config["total_s"] = round(time.perf_counter() - started, 1)
+        return write_result("gpu", {"figures": figures, "config": config}, out_dir)
+
+    def attempt(label: str, part) -> dict | None:
+        # on the GPU one broken part must not cost the other's figures; a dry run fails loudly instead
+        try:
+            return part()
+        except Exception as error:
+            if args.dry_run:
+                raise
+            traceback.print_exc()
+            config["errors"][label] = f"{type(error).__name__}: {str(error)[:500]}"
+            return None
+        finally:
+            print(f"gpu bench: {label} finished at {time.perf_counter() - started:.0f} s", flush=True)
+
     if not args.skip_train:
-        result = _train_with_fallback(
-            train_config(args.dry_run), args.train_batch or (2 if args.dry_run else 4),
-            steps=args.train_steps or (2 if args.dry_run else 10), warmup=1 if args.dry_run else 3,
-            device=device, dtype=dtype, compile_blocks=cuda and not args.no_compile, peak_measured=peak,
-        )
-        figures["train_step_1b"] = result["figures"]
-        config["train_step_1b"] = result["config"]
-        print(f"gpu bench: train step done at {time.perf_counter() - started:.0f} s", flush=True)
+        train = train_config(args.dry_run)
+        options = dict(steps=args.train_steps or (2 if args.dry_run else 10), warmup=1 if args.dry_run else 3,
+                       device=device, dtype=dtype, peak_measured=peak)
+        batch = args.train_batch or (2 if args.dry_run else 4)
+        compile_blocks = cuda and not args.no_compile
+        if compile_blocks:
+            _raise_recompile_limit(train.n_layers)
+        result = attempt("train_step_1b", lambda: _train_with_fallback(
+            train, batch, compile_blocks=compile_blocks, **options))
+        if result is None and train.attention_backend != "sdpa":
+            # still a figure, clearly labelled: SDPA with a boolean mask, no compile
+            fallback = dataclasses.replace(train, attention_backend="sdpa")
+            result = attempt("train_step_1b_sdpa_eager", lambda: _train_with_fallback(
+                fallback, batch, compile_blocks=False, **options))
+            label = "train_step_1b_sdpa_eager"
+        else:
+            label = "train_step_1b"
+        if result is not None:
+            figures[label] = result["figures"]
+            config[label] = result["config"]
+        save()
     if not args.skip_image:
         streams = [int(s) for s in args.streams.split(",") if s.strip()]
-        result = bench_image(
+        result = attempt("image_512px_7b", lambda: bench_image(
             image_config(args.dry_run), n_tokens=16 if args.dry_run else 1024, stream_counts=streams,
             repeats=1 if args.dry_run else 2, device=device, dtype=dtype, bandwidth=bandwidth,
-        )
-        figures["image_512px_7b"] = result["figures"]
-        config["image_512px_7b"] = result["config"]
-    config["total_s"] = round(time.perf_counter() - started, 1)
-    out_dir = args.results_dir or (Path(tempfile.mkdtemp(prefix="bench-gpu-dry-")) if args.dry_run else None)
-    path = write_result("gpu", {"figures": figures, "config": config}, out_dir)
+            deadline=started + args.budget_s,
+        ))
+        if result is not None:
+            figures["image_512px_7b"] = result["figures"]
+            config["image_512px_7b"] = result["config"]
+    path = save()
     print(json.dumps(figures, indent=1, default=str))
-    print(f"gpu bench: wrote {path} in {config['total_s']} s")
-    return 0
+    print(f"gpu bench: wrote {path} in {config['total_s']} s; errors: {config['errors'] or 'none'}")
+    return 1 if config["errors"] else 0
 
 
 if __name__ == "__main__":
