@@ -1,0 +1,144 @@
+"""`train.py fit`: --print_config, start-up validation errors, non-finite loss handling, per-step logging."""
+
+import csv
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusion_model.lightning_module import FusionLightningModule
+from fusion_model.train_cli import main
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fit_worker as fw  # noqa: E402
+
+TINY_YAML = str(fw.REPO / "configs/fusion/tiny.yaml")
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory):
+    return fw.make_token_dir(tmp_path_factory.mktemp("tokens") / "train")
+
+
+def test_print_config_shows_presets_and_command_line_overrides(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", TINY_YAML, "--model.lr=0.125", "--data.seq_len=48", "--print_config"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert "lr: 0.125" in printed and "seq_len: 48" in printed
+    assert "lr_schedule: exponential" in printed and "gradient_clip_val: 1.0" in printed
+    assert "fusion_model.checkpointing.AtomicCheckpointIO" in printed
+
+
+@pytest.mark.parametrize("preset", ["chameleon-7b", "chameleon-34b", "small"])
+def test_presets_parse_and_carry_the_papers_recipe(preset, capsys):
+    with pytest.raises(SystemExit):
+        main(["--config", str(fw.REPO / f"configs/fusion/{preset}.yaml"), "--print_config"])
+    printed = capsys.readouterr().out
+    assert "z_loss_coef: 1.0e-05" in printed and "weight_decay: 0.1" in printed and "eps: 1.0e-05" in printed
+    if preset.startswith("chameleon"):
+        assert "seq_len: 4096" in printed and "warmup_steps: 4000" in printed and "vocab_size: 65536" in printed
+
+
+def _fit_error(args, capsys) -> str:
+    assert main(args) == 2
+    return capsys.readouterr().err
+
+
+def test_no_shards_found_names_the_directory(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    err = _fit_error(fw.tiny_args(empty, tmp_path, 2), capsys)
+    assert "no token shards found" in err and str(empty) in err and "shards tokenize" in err
+
+
+def test_model_vocab_size_must_match_the_shards(tokens, tmp_path, capsys):
+    err = _fit_error(fw.tiny_args(tokens, tmp_path, 2, extra=["--model.config.vocab_size=512"]), capsys)
+    assert "256-entry vocabulary" in err and "--model.config.vocab_size 256" in err
+
+
+def test_seq_len_beyond_max_positions(tokens, tmp_path, capsys):
+    err = _fit_error(fw.tiny_args(tokens, tmp_path, 2, extra=["--data.seq_len=128"]), capsys)
+    assert "data.seq_len=128 exceeds" in err and "max_seq_len=64" in err
+
+
+def test_shards_from_another_vocabulary_or_image_tokenizer(tmp_path, capsys):
+    from tokenizer.image import ImageTokenizer, ImageTokenizerConfig
+    from tokenizer.vocab import train_unified_vocab
+
+    vocab = train_unified_vocab(["a gray square number", "and some words"] * 50, vocab_size=512, image_codes=64)
+    vocab_path = tmp_path / "tokenizer.json"
+    vocab.save(vocab_path)
+    image_dir = tmp_path / "image_tokenizer"
+    image_tokenizer = ImageTokenizer(ImageTokenizerConfig.from_preset("demo-64"))
+    image_tokenizer.save_pretrained(image_dir)
+    other = fw.make_token_dir(tmp_path / "other", vocab_size=512)  # fingerprints of some other tokenizers
+    same_vocab = fw.make_token_dir(tmp_path / "same", vocab_size=512, vocab_fingerprint=vocab.fingerprint())
+    model = ["--model.config.vocab_size=512"]
+    err = _fit_error(fw.tiny_args(other, tmp_path, 2, extra=[*model, f"--data.tokenizer={vocab_path}"]), capsys)
+    assert "another vocabulary" in err and vocab.fingerprint() in err and "vocab-test" in err
+    err = _fit_error(fw.tiny_args(same_vocab, tmp_path, 2, extra=[*model, f"--data.tokenizer={vocab_path}",
+                                                                    f"--data.image_tokenizer={image_dir}"]), capsys)
+    assert "another image tokenizer" in err and image_tokenizer.fingerprint() in err and "image-test" in err
+    err = _fit_error(fw.tiny_args(same_vocab, tmp_path, 2, extra=[f"--data.tokenizer={vocab_path}"]), capsys)
+    assert "512-entry vocabulary" in err  # the model still has the preset's 256 entries
+
+
+def _nan_at_step(monkeypatch, step: int) -> None:
+    original = FusionLightningModule._losses
+
+    def losses(self, batch):
+        out = original(self, batch)
+        if self.training and self.global_step == step:
+            out = {**out, "loss": out["loss"] * float("nan")}
+        return out
+
+    monkeypatch.setattr(FusionLightningModule, "_losses", losses)
+
+
+def test_nonfinite_loss_stops_naming_step_and_batch_and_keeps_the_last_good_checkpoint(tokens, tmp_path, capsys, monkeypatch):
+    _nan_at_step(monkeypatch, 3)
+    assert main(fw.tiny_args(tokens, tmp_path, 6)) == 1
+    err = capsys.readouterr().err
+    assert "non-finite loss nan" in err and "optimizer step 3, batch 3 of epoch 0" in err
+    assert str(tmp_path / "ckpt" / "last.ckpt") in err
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("*.ckpt"))[-2:] == ["epoch=0-step=3.ckpt", "last.ckpt"]
+    last = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    assert last["global_step"] == 3
+    assert all(torch.isfinite(v).all() for v in last["state_dict"].values())
+
+
+def test_nonfinite_loss_skip_policy_drops_the_update_and_counts_it(tokens, tmp_path, monkeypatch):
+    _nan_at_step(monkeypatch, 3)
+    assert main(fw.tiny_args(tokens, tmp_path, 5, extra=["--model.nonfinite=skip"])) == 0
+    before, after, end = (torch.load(tmp_path / "ckpt" / f"epoch=0-step={s}.ckpt", weights_only=True) for s in (3, 4, 5))
+    for name, value in before["state_dict"].items():
+        assert torch.equal(value, after["state_dict"][name]), name  # the skipped step changed nothing
+    assert not torch.equal(after["state_dict"]["model.head.weight"], end["state_dict"]["model.head.weight"])
+    assert (before["skipped_steps"], after["skipped_steps"], end["skipped_steps"]) == (0, 1, 1)
+
+
+def test_every_step_logs_losses_lr_grad_norm_throughput_and_validation(tokens, tmp_path):
+    val = fw.make_token_dir(tmp_path / "val", n_docs=8, seed=1)
+    logger = [{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path), "name": "csv"}},
+              {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": str(tmp_path), "name": "tb"}}]
+    callbacks = [{"class_path": "fusion_model.callbacks.ThroughputMonitor", "init_args": {"peak_flops": 1e12}}]
+    args = fw.tiny_args(tokens, tmp_path, 4, extra=[
+        f"--data.val_dir={val}", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=2",
+        f"--trainer.logger={json.dumps(logger)}", f"--trainer.callbacks={json.dumps(callbacks)}",
+        "--trainer.enable_checkpointing=false",
+    ])
+    assert main(args) == 0
+    rows = list(csv.DictReader(open(next((tmp_path / "csv").rglob("metrics.csv")))))
+    train = [r for r in rows if r.get("train/loss")]
+    assert [int(r["step"]) for r in train] == [0, 1, 2, 3]
+    for key in ("train/loss", "train/text_loss", "train/image_loss", "train/z_loss", "train/lr", "train/grad_norm",
+                "train/tokens_per_s", "train/mfu"):
+        values = [float(r[key]) for r in rows if r.get(key)]
+        assert len(values) == 4 and all(v == v for v in values), key
+    assert [float(r["train/lr"]) for r in rows if r.get("train/lr")][:2] == pytest.approx([5e-3, 1e-2])
+    assert 0 < min(float(r["train/mfu"]) for r in rows if r.get("train/mfu"))
+    assert len([r for r in rows if r.get("val/loss")]) == 2
+    assert list((tmp_path / "tb").rglob("events.out.tfevents.*"))
