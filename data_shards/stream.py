@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -178,16 +179,33 @@ class PackedTokenStream(IterableDataset):
 
     def state_dict(self) -> dict:
         """Position after the batches this process has yielded (use make_dataloader's with workers)."""
-        return {"epoch": self.epoch, "batches_consumed": self._consumed, "signature": self.signature()}
+        return self.position_state(self.epoch, self._consumed)
+
+    def position_state(self, epoch: int, batches_consumed: int) -> dict:
+        """The resumable state for a position: (epoch, batches consumed) plus what fixes the layout."""
+        return {"epoch": int(epoch), "batches_consumed": int(batches_consumed), "num_batches": len(self),
+                "signature": self.signature()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume exactly at a state from `state_dict()`; refuses a state of another data/layout."""
+        """Resume exactly at a state from `state_dict()`.
+
+        A state saved with other data or settings (shards, seq_len, batch_size, seed, shuffle, world
+        size) is accepted only at an epoch boundary (the next epoch starts; e.g. more nodes after a
+        restart); mid-epoch it is refused, since exact resume would be impossible.
+        """
+        epoch, consumed = int(state["epoch"]), int(state["batches_consumed"])
         if state.get("signature") != self.signature():
-            raise ValueError(
-                "loader state was saved for other data or settings (shards, seq_len, batch_size, seed, shuffle "
-                "or world size differ); exact resume is impossible: start a new epoch with set_epoch instead"
-            )
-        self.set_position(state["epoch"], state["batches_consumed"])
+            if consumed >= state.get("num_batches", float("inf")):
+                epoch, consumed = epoch + 1, 0
+            elif consumed != 0:
+                raise ValueError(
+                    f"loader state (epoch {epoch}, batch {consumed}) was saved for other data or settings "
+                    "(shards, seq_len, batch_size, seed, shuffle or world size differ); exact resume mid-epoch "
+                    "is impossible: resume from an end-of-epoch checkpoint or start a new epoch with set_epoch"
+                )
+            warnings.warn(f"loader state was saved with other data or settings; starting epoch {epoch} afresh",
+                          stacklevel=2)
+        self.set_position(epoch, consumed)
 
     # -- batches -------------------------------------------------------------------------------------
     def make_batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
@@ -245,10 +263,12 @@ class ResumableDataLoader(DataLoader):
     checkpoint ("combined_loader") and calls `load_state_dict` in `FitLoop.setup_data` before creating the
     iterator. Because this loader has a `len`, Lightning does not prefetch a batch ahead (it prefetches
     only when the length is unknown), so the saved count equals the batches trained on. Lightning does not
-    call `set_epoch` on an IterableDataset; the epoch advances here on each new `iter()`. Caveat (Lightning
-    issue 20550): if `configure_optimizers` calls `trainer.estimated_stepping_batches`, the train loader
-    is set up before the checkpoint is restored and its state is silently dropped; compute total steps
-    from `len(loader)` or `max_steps` instead.
+    call `set_epoch` on an IterableDataset; the epoch advances here on each new `iter()`. Only rank 0's
+    state is saved; every rank loads it, which is right because all ranks have the same `len` and consume
+    in lock step. Caveat (Lightning issue 20550, reproduced here with 2.6): if `configure_optimizers` calls
+    `trainer.estimated_stepping_batches`, the train loader is set up before the checkpoint is restored,
+    its state is silently dropped and the resumed run trains on the wrong batches; take the schedule
+    horizon from `max_steps` (or `len(loader)`) instead.
     """
 
     def __init__(self, stream: PackedTokenStream, num_workers: int = 0, **kwargs) -> None:
@@ -274,12 +294,12 @@ class ResumableDataLoader(DataLoader):
 
     def state_dict(self) -> dict:
         """(epoch, batches consumed) plus a signature of the batch layout."""
-        return {"epoch": self._epoch, "batches_consumed": self._consumed, "signature": self.dataset.signature()}
+        return self.dataset.position_state(self._epoch, self._consumed)
 
     def load_state_dict(self, state: dict) -> None:
         """Make the next `iter()` yield exactly the batches that followed `state`."""
         self.dataset.load_state_dict(state)
-        self._epoch, self._consumed, self._fresh = int(state["epoch"]), int(state["batches_consumed"]), True
+        self._epoch, self._consumed, self._fresh = self.dataset.epoch, self.dataset._start_batch, True
 
 
 def make_dataloader(stream: PackedTokenStream, num_workers: int = 0, **kwargs) -> ResumableDataLoader:

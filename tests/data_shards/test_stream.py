@@ -107,12 +107,13 @@ def test_mask_never_lets_a_token_attend_across_a_document_boundary(tmp_path, tok
         assert (mask | ~(same & torch.ones(24, 24, dtype=torch.bool).tril())).all()
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_resume_yields_exactly_the_remaining_batches(tmp_path, tok, workers):
-    token_dir = tok.make_token_dir(tmp_path / "tokens", tok.make_documents(50))
+@pytest.mark.parametrize("workers, rank, world_size", [(0, 0, 1), (2, 0, 1), (2, 1, 2)])
+def test_resume_yields_exactly_the_remaining_batches(tmp_path, tok, workers, rank, world_size):
+    token_dir = tok.make_token_dir(tmp_path / "tokens", tok.make_documents(50 * world_size))
 
     def loader():
-        return make_dataloader(PackedTokenStream(token_dir, 24, 2, seed=5), num_workers=workers)
+        stream = PackedTokenStream(token_dir, 24, 2, seed=5, rank=rank, world_size=world_size)
+        return make_dataloader(stream, num_workers=workers)
 
     reference = loader()
     full = [list(reference), list(reference)]  # epochs 0 and 1 (a new iter() is the next epoch)
@@ -138,11 +139,22 @@ def test_resume_yields_exactly_the_remaining_batches(tmp_path, tok, workers):
             assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(nxt, full[1]))
 
 
-def test_state_of_other_settings_is_refused(tmp_path, tok):
+def test_state_of_other_settings_is_refused_mid_epoch_and_starts_an_epoch_at_a_boundary(tmp_path, tok):
     token_dir = tok.make_token_dir(tmp_path / "tokens", tok.make_documents(20))
-    state = make_dataloader(PackedTokenStream(token_dir, 24, 2, seed=5)).state_dict()
-    with pytest.raises(ValueError, match="exact resume is impossible"):
-        make_dataloader(PackedTokenStream(token_dir, 24, 3, seed=5)).load_state_dict(state)
+    two_ranks = make_dataloader(PackedTokenStream(token_dir, 24, 2, seed=5, rank=0, world_size=2))
+    it = iter(two_ranks)
+    next(it)
+    mid = two_ranks.state_dict()
+    list(it)
+    end = two_ranks.state_dict()
+    one_rank = make_dataloader(PackedTokenStream(token_dir, 24, 2, seed=5, rank=0, world_size=1))
+    with pytest.raises(ValueError, match="exact resume mid-epoch is impossible"):
+        one_rank.load_state_dict(mid)
+    with pytest.warns(UserWarning, match="starting epoch 1 afresh"):
+        one_rank.load_state_dict(end)
+    reference = make_dataloader(PackedTokenStream(token_dir, 24, 2, seed=5, rank=0, world_size=1))
+    reference.set_epoch(1)
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(one_rank, reference))
 
 
 def test_ids_outside_the_vocabulary_are_reported_with_shard_and_key(tmp_path, tok):
