@@ -40,8 +40,8 @@ def run(smoke: bool = False) -> dict:
         texts = texts[:600]
     vocab_size, image_codes = (1_024, 512) if smoke else (65_536, 8_192)
     min_frequency = 2
-    seconds = 2.0 if smoke else 40.0
-    pairs = dict(min_pairs=3, max_pairs=3 if smoke else 7, max_seconds=seconds)
+    seconds = 2.0 if smoke else 25.0
+    pairs = dict(min_pairs=3, max_pairs=3 if smoke else 5, max_seconds=seconds)
     corpus_bytes = sum(len(t.encode("utf-8")) for t in texts)
     text_room = vocab_size - DEFAULT_NUM_SPECIALS - image_codes
 

@@ -35,13 +35,14 @@ NAMED_SPECIALS = (PAD, BOS, EOS, BOI, EOI, SEP, IMAGE_PLACEHOLDER)
 DEFAULT_VOCAB_SIZE, DEFAULT_IMAGE_CODES, DEFAULT_NUM_SPECIALS = 65_536, 8_192, 16
 IMAGE_PREFIX = "IMGIMG"
 _RESERVED = re.compile(r"<reserved_\d+>")
+_DIGITS_AS_LETTERS = str.maketrans("0123456789", "ABCDEFGHIJ")
 
 Segment = "str | torch.Tensor | np.ndarray"
 
 
 def image_token_name(code: int) -> str:
     """Chameleon's name for image code `code`: IMGIMG + digits as letters (0->A ... 9->J) + Z; 123 -> IMGIMGBCDZ."""
-    return IMAGE_PREFIX + "".join(chr(ord("A") + int(d)) for d in str(int(code))) + "Z"
+    return IMAGE_PREFIX + str(int(code)).translate(_DIGITS_AS_LETTERS) + "Z"
 
 
 def reserved_name(index: int) -> str:
@@ -403,9 +404,8 @@ def build_unified_vocab(
     tokenizer.pre_tokenizer = byte_level_pre_tokenizer()
     tokenizer.decoder = byte_level_decoder()
     # Registered as special so transformers treats them as control tokens; ids come from the model vocab.
-    tokenizer.add_special_tokens(
-        [AddedToken(name, special=True, normalized=False) for name in specials + filler]
-    )
+    # The filler is not registered: it is never produced, and 40k added tokens would slow every load.
+    tokenizer.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in specials])
     return UnifiedVocab(tokenizer)
 
 
@@ -449,9 +449,10 @@ def _text_room(vocab_size: int, image_codes: int, num_specials: int) -> int:
 
 def _read_layout(tokenizer: Tokenizer, source: str) -> VocabLayout:
     """Recover and check the layout from token names: specials, contiguous IMGIMG block, text, filler."""
-    size = tokenizer.get_vocab_size(with_added_tokens=True)
-    names = [tokenizer.id_to_token(i) for i in range(size)]
-    if any(name is None for name in names):
+    by_name = tokenizer.get_vocab(with_added_tokens=True)
+    size = len(by_name)
+    names = sorted(by_name, key=by_name.__getitem__)
+    if [by_name[name] for name in names] != list(range(size)):
         raise ValueError(
             f"{source}: token ids are not contiguous 0..{size - 1}; this is not a unified vocabulary"
         )
@@ -472,9 +473,9 @@ def _read_layout(tokenizer: Tokenizer, source: str) -> VocabLayout:
     if max(tokenizer.token_to_id(name) for name in NAMED_SPECIALS) >= offset:
         raise ValueError(f"{source}: special tokens must come before the image block (id {offset})")
     text_offset = offset + codes
-    special_added = {t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special}
+    # BPE never learns a <reserved_N> name (build_unified_vocab prunes them), so the trailing run of them is filler.
     text_end = size
-    while text_end > text_offset and names[text_end - 1] in special_added:
+    while text_end > text_offset and _RESERVED.fullmatch(names[text_end - 1]):
         text_end -= 1
     return VocabLayout(
         vocab_size=size, image_codes=codes, image_offset=offset, text_offset=text_offset, text_end=text_end
