@@ -286,6 +286,20 @@ class UnifiedVocab:
             tmp.unlink(missing_ok=True)
         return path
 
+    def to_transformers(self):
+        """A transformers `PreTrainedTokenizerFast` (bos/eos/pad/sep set, `<s>` prepended) for ChameleonProcessor."""
+        from tokenizers import processors
+        from transformers import PreTrainedTokenizerFast
+
+        tokenizer = Tokenizer.from_str(self.tokenizer.to_str())
+        # Chameleon's tokenizer starts every prompt with <s>; ours adds it in encode_document instead.
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, self.bos_id)]
+        )
+        return PreTrainedTokenizerFast(
+            tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD, sep_token=SEP
+        )
+
     @classmethod
     def load(
         cls,

@@ -200,6 +200,19 @@ def test_transformers_fast_tokenizer_gives_identical_ids(vocab, tmp_path):
     ]
 
 
+def test_transformers_chameleon_processor_expands_images_with_our_tokens(vocab):
+    from PIL import Image
+    from transformers import ChameleonImageProcessor, ChameleonProcessor
+
+    fast = vocab.to_transformers()
+    processor = ChameleonProcessor(
+        image_processor=ChameleonImageProcessor(), tokenizer=fast, image_seq_length=4
+    )
+    ids = processor(text=["a cat <image>"], images=[Image.new("RGB", (32, 32))])["input_ids"][0]
+    image = [vocab.boi_id] + [vocab.image_placeholder_id] * 4 + [vocab.eoi_id]
+    assert list(ids) == [vocab.bos_id] + vocab.encode_text("a cat ") + image + [vocab.sep_id]
+
+
 @pytest.mark.slow
 def test_exact_65536_from_the_builtin_english_corpus(tmp_path):
     from tokenizer.corpus import iter_kjv
