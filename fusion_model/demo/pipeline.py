@@ -23,7 +23,7 @@ CONFIG_DIR = REPO_ROOT / "configs" / "demo"
 # stage -> the config sections it reads; upstream stages' keys are folded into its own key.
 STAGES: dict[str, tuple[str, ...]] = {
     "tokenizer": ("seed", "data", "tokenizer"),
-    "vocab": ("seed", "vocab"),
+    "vocab": ("seed", "vocab", "tokenizer"),
     "shards": ("seed", "data", "shards"),
     "train": ("seed", "train"),
     "generate": ("seed", "data", "generate"),

@@ -115,3 +115,106 @@ def write_html(path: str | Path, title: str, sections: Sequence[str], summary: s
     tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
     return path
+
+
+def _mark(ok: bool) -> str:
+    return '<span class="ok">&#10003;</span>' if ok else '<span class="bad">&#10007;</span>'
+
+
+def _card(image: np.ndarray, label: str, width: int = 64) -> str:
+    return f'<div class="card">{image_tag(image, width)}<br>{label}</div>'
+
+
+def evaluation_section(records: dict[str, dict]) -> str:
+    """The evaluation table, with the training tokens and minutes behind it."""
+    gen, train = records["generate"], records["train"]
+    rows = [
+        ("understanding: caption names the held-out digit", gen["understanding_accuracy"], 0.10, 0.90,
+         gen["understanding_count"]),
+        ("generation: classifier recognises the captioned digit", gen["generation_accuracy"], 0.10, 0.80,
+         gen["generation_count"]),
+        ("interleaved: answer image shows a + b", gen["interleaved_accuracy"], 0.10, "-", gen["interleaved_count"]),
+        ("classifier on real held-out digits (sanity)", gen["classifier_accuracy_real"], 0.10, "-", "-"),
+        ("classifier on tokenizer reconstructions (sanity)", gen["classifier_accuracy_reconstructed"], 0.10, "-", "-"),
+    ]
+    body = table(["held-out evaluation", "accuracy", "chance", "target", "examples"], rows)
+    body += table(["training", "value"], [
+        ("decoder training tokens", int(train["tokens"])),
+        ("decoder optimizer steps", int(train["steps"])),
+        ("decoder training minutes", float(train["minutes"])),
+        ("decoder parameters", int(train["parameters"])),
+        ("tokens / second", float(train["tokens_per_second"])),
+    ])
+    sampling = gen["sampling"]
+    note = (f"Images sampled at temperature {sampling['temperature']}, top-k {sampling['top_k']}, classifier-free "
+            f"guidance {sampling['cfg_scale']} (unconditional branch: <s> <boi>); captions decoded greedily. "
+            "The classifier is a CNN trained by the demo on real training digits only.")
+    return section("Evaluation (held-out digits, never seen in training)", body, note)
+
+
+def tokenizer_section(record: dict, originals: torch.Tensor, reconstructions: torch.Tensor, psnrs: torch.Tensor) -> str:
+    """Originals over their reconstructions, each with its PSNR, plus codebook usage."""
+    top, bottom = to_uint8(originals), to_uint8(reconstructions)
+    cards = "".join(_card(np.concatenate([a, np.full((2, a.shape[1], 3), 255, np.uint8), b]), f"{float(p):.1f} dB")
+                    for a, b, p in zip(top, bottom, psnrs))
+    summary = table(["image tokenizer (held-out digits)", "value"], [
+        ("PSNR (dB, mean over held-out)", float(record["psnr_db"])),
+        ("codebook entries used", f"{record['codebook_used']} / {record['codebook_size']}"),
+        ("code perplexity", float(record["code_perplexity"])),
+        ("training minutes", float(record["minutes"])),
+        ("training images", int(record["train_images"])),
+    ])
+    return section("Image tokenizer: originals (top) vs reconstructions (bottom)", summary + f'<div class="grid">{cards}</div>',
+                   "Each 64-px digit is 4 x 4 = 16 codes from a 512-entry codebook.")
+
+
+def loss_section(losses: dict) -> str:
+    """Text and image training losses as one plot each."""
+    steps = losses["step"]
+    text = plot_tag({"text tokens": list(zip(steps, losses["text"]))}, "text loss (cross-entropy on caption / word tokens)")
+    image = plot_tag({"image tokens": list(zip(steps, losses["image"]))}, "image loss (cross-entropy on image codes)")
+    return section("Training losses", text + "<br>" + image)
+
+
+def generation_section(images: torch.Tensor, targets: np.ndarray, predicted: np.ndarray, per_caption: int,
+                       shown: int, captions: list[str]) -> str:
+    """A row of generated images per caption, each marked with the classifier's reading."""
+    pixels = to_uint8(images)
+    rows = []
+    for digit in range(10):
+        idx = np.flatnonzero(targets == digit)[:shown]
+        cards = "".join(_card(pixels[i], f"{_mark(predicted[i] == digit)} reads {int(predicted[i])}", 56) for i in idx)
+        correct = int((predicted[targets == digit] == digit).sum())
+        rows.append(f"<tr><td>{html.escape(captions[digit])}<br>({correct}/{per_caption} recognised)</td>"
+                    f'<td><div class="grid">{cards}</div></td></tr>')
+    return section("Images generated from captions", "<table>" + "".join(rows) + "</table>")
+
+
+def captions_section(images: torch.Tensor, texts: list[str], labels: np.ndarray, shown: int,
+                     parse) -> str:
+    """Held-out images with the caption the model wrote for each."""
+    pixels = to_uint8(images[:shown])
+    cards = "".join(_card(p, f"{_mark(parse(t) == int(y))} &ldquo;{html.escape(t)}&rdquo;", 64)
+                    for p, t, y in zip(pixels, texts, labels))
+    return section("Captions written for held-out images", f'<div class="grid">{cards}</div>')
+
+
+def interleaved_section(a_images: torch.Tensor, b_images: torch.Tensor, answers: torch.Tensor, pairs: np.ndarray,
+                        predicted: np.ndarray, shown: int) -> str:
+    """`<a> plus <b> equals <generated>` documents, with the classifier's reading of the answer."""
+    rows = []
+    for i in range(min(shown, len(pairs))):
+        a, b, c = (to_uint8(t[i:i + 1])[0] for t in (a_images, b_images, answers))
+        ok = int(predicted[i]) == int(pairs[i].sum())
+        rows.append(f"<tr><td>{image_tag(a, 48)}</td><td>plus</td><td>{image_tag(b, 48)}</td><td>equals</td>"
+                    f"<td>{image_tag(c, 48)}</td><td>{_mark(ok)} {int(pairs[i][0])} + {int(pairs[i][1])}: "
+                    f"generated image reads {int(predicted[i])}</td></tr>")
+    return section("Interleaved arithmetic (prompt: two held-out digit images; the model writes the answer image)",
+                   "<table>" + "".join(rows) + "</table>")
+
+
+def timings_section(records: dict[str, dict], config: dict) -> str:
+    """Seconds per stage, and the whole configuration."""
+    rows = [(name, float(rec["seconds"]), rec.get("finished_at", "")) for name, rec in records.items()]
+    rows.append(("total", float(sum(r[1] for r in rows)), ""))
+    return section("Configuration and timings", table(["stage", "seconds", "finished"], rows) + config_block(config))

