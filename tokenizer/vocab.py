@@ -133,7 +133,14 @@ class UnifiedVocab:
 
     def encode_text_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """encode_text over many strings at once (uses the tokenizers thread pool)."""
-        return [e.ids for e in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+        texts = list(texts)
+        for index, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise TypeError(f"encode_text_batch: item {index} is a {type(text).__name__}, not str")
+        try:
+            return [e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=False)]
+        except Exception:  # find the offending text for a precise message
+            return [self.encode_text(text) for text in texts]
 
     def decode_text(self, ids: Iterable[int] | torch.Tensor, skip_special: bool = False) -> str:
         """Text of text ids; other ids show as their names (`<sep>`, `IMGIMGBZ`), or are dropped with skip_special."""

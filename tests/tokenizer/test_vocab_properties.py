@@ -100,3 +100,5 @@ def test_batch_encoding_matches_one_at_a_time(texts):
 def test_lone_surrogates_are_rejected_with_a_clear_error(bad):
     with pytest.raises(ValueError, match="surrogate"):
         small_vocab().encode_text(bad)
+    with pytest.raises(ValueError, match="surrogate"):
+        small_vocab().encode_text_batch(["fine", bad])
