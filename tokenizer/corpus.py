@@ -81,7 +81,7 @@ def _files_of(path: Path) -> list[Path]:
             for p in path.rglob("*")
             if p.is_file()
             and p.suffix.lower() in TEXT_SUFFIXES
-            and not any(part.startswith(".") for part in p.parts)
+            and not any(part.startswith(".") for part in p.relative_to(path).parts)
         )
         if not files:
             raise ValueError(

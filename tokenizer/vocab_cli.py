@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             show_progress=not args.no_progress,
         )
     except (ValueError, FileNotFoundError, TypeError) as error:
-        print(f"train.py vocab: error: {error}", file=sys.stderr)
+        skipped = f" ({len(stats.skipped)} non-UTF-8 file(s) were skipped)" if stats.skipped else ""
+        print(f"train.py vocab: error: {error}{skipped}", file=sys.stderr)
         return 2
     seconds = time.perf_counter() - start
     path = vocab.save(args.out)

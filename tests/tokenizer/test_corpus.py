@@ -47,6 +47,13 @@ def test_files_directories_and_iterators_stream_in_order(tmp_path):
     assert stats.files == 3 and stats.texts == 6 and stats.bytes == sum(len(t.encode()) for t in texts)
 
 
+def test_a_corpus_inside_a_hidden_directory_is_still_read(tmp_path):
+    corpus = tmp_path / ".cache" / "corpus"
+    corpus.mkdir(parents=True)
+    (corpus / "a.txt").write_text("text", encoding="utf-8")
+    assert list(iter_corpus([corpus])) == ["text"]
+
+
 def test_long_lines_across_read_chunks_stay_whole(tmp_path):
     line = "é" * 700_000  # 1.4 MB of two-byte characters: split across the 1 MiB read chunks
     (tmp_path / "long.txt").write_text(line + "\nnext", encoding="utf-8")
