@@ -48,8 +48,10 @@ def _steps(config: FusionConfig, batch: int, seq_len: int):
     ours = FusionModel.from_transformers(reference).train()
     ids = torch.randint(0, config.vocab_size, (batch, seq_len))
     ref_params = [p for n, p in reference.named_parameters() if "vqmodel" not in n]
-    opt_ref = torch.optim.AdamW(ref_params, lr=1e-4, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
-    opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1)
+    # the same fused AdamW for both, so the optimizer step (identical work) does not dilute the model ratio
+    adamw = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1, fused=True)
+    opt_ref = torch.optim.AdamW(ref_params, **adamw)
+    opt_ours = torch.optim.AdamW(ours.parameters(), **adamw)
 
     def ours_step():
         ours.loss(ids)["loss"].backward()  # CE + z-loss, chunked head

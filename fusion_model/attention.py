@@ -92,7 +92,9 @@ def flex_block_mask(doc_q: torch.Tensor, doc_k: torch.Tensor, q_offset: int = 0,
         return torch.where(dq < 0, ki == qpos, allowed)
 
     batch, tq = doc_q.shape
-    return create_block_mask(mask_mod, batch, None, tq, doc_k.shape[1], device=doc_q.device)
+    # compiled mask construction on CUDA avoids materialising the dense (B, Tq, Tk) mask there
+    return create_block_mask(mask_mod, batch, None, tq, doc_k.shape[1], device=doc_q.device,
+                             _compile=doc_q.device.type == "cuda")
 
 
 def flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask) -> torch.Tensor:

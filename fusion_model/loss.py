@@ -85,9 +85,11 @@ def fusion_loss_from_hidden(hidden: torch.Tensor, head_weight: torch.Tensor, inp
     flat_hidden = hidden[:, :-1][valid]
     targets = targets[valid]
     pieces = []
+    # one chunk gains nothing from recomputation (its logits live until backward either way)
+    recompute = targets.numel() > chunk_size and torch.is_grad_enabled()
     for begin in range(0, targets.numel(), chunk_size):
         h, t = flat_hidden[begin : begin + chunk_size], targets[begin : begin + chunk_size]
-        if torch.is_grad_enabled() and (h.requires_grad or head_weight.requires_grad):
+        if recompute and (h.requires_grad or head_weight.requires_grad):
             pieces.append(checkpoint(_chunk_ce, h, head_weight, t, use_reentrant=False))
         else:
             pieces.append(_chunk_ce(h, head_weight, t))
