@@ -30,6 +30,24 @@ def _make_token_shards(workdir: Path, digits: int) -> tuple[Path, float, int]:
     return workdir / "tokens", manifest["images"] / seconds, manifest["tokens"]
 
 
+def _chameleon_sized_stream(workdir: Path, smoke: bool):
+    """Synthetic token shards shaped like Chameleon data (1,024-token images + captions, long text) at T=4,096."""
+    import numpy as np
+
+    from data_shards.stream import PackedTokenStream
+    from data_shards.token_shards import write_manifest, write_token_shard
+
+    rng = np.random.default_rng(0)
+    info = {"vocab_size": 65_536, "vocab_fingerprint": "bench", "image_tokenizer_fingerprint": "bench", "images": 0}
+    metas = []
+    for shard in range(2 if smoke else 8):
+        docs = [rng.integers(0, 65_536, size=int(n)).tolist()
+                for n in np.where(rng.random(50) < 0.7, 1030 + rng.integers(0, 40, 50), rng.integers(200, 6000, 50))]
+        metas.append(write_token_shard(workdir, f"shard-{shard:06d}", [f"s{shard}d{i}" for i in range(50)], docs, info))
+    write_manifest(workdir, {**info, "pad_id": 0}, metas)
+    return PackedTokenStream(workdir, 4096, 4, seed=0)
+
+
 def _batches(stream, count: int) -> list[dict]:
     """`count` batches, running through as many epochs as needed."""
     out: list[dict] = []
@@ -81,6 +99,11 @@ def run(smoke: bool = False) -> dict:
         start = time.perf_counter()
         _batches(stream, many)
         stream_s = time.perf_counter() - start
+        big = _chameleon_sized_stream(Path(tmp) / "chameleon", smoke)
+        big_count = 5 if smoke else 40
+        start = time.perf_counter()
+        _batches(big, big_count)
+        big_s = time.perf_counter() - start
     tokens_per_batch = seq_len * batch_size
     figures = {
         "stream_vs_model_speedup_median": result.speedup_median,
@@ -88,6 +111,8 @@ def run(smoke: bool = False) -> dict:
         "stream_vs_model_speedup_q75": result.speedup_q75,
         "stream_tokens_per_s": many * tokens_per_batch / stream_s,
         "model_train_tokens_per_s": steps * tokens_per_batch / result.reference_median_s,
+        "stream_tokens_per_s_chameleon_shaped": big_count * 4 * 4096 / big_s,
+        "padding_fraction_chameleon_shaped": 1 - big.manifest["tokens"] / (len(big) * 4 * 4096),
         "pretokenize_images_per_s": images_per_s,
         "stream_setup_s": setup_s,
         "goal_speedup": 100.0,
@@ -100,6 +125,7 @@ def run(smoke: bool = False) -> dict:
             "model": "fusion_model FusionModel preset 'demo' (d128, 4 layers), fp32 AdamW step",
             "image_tokenizer": "demo-64 preset, untrained (speed only), batch 64", "smoke": smoke,
             "threads": 1,
+            "chameleon_shaped": "T 4,096, batch 4, 70% image documents of ~1,030 tokens, 30% text of 200-6,000",
         },
     }
     write_result("data", payload)

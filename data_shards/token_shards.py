@@ -54,6 +54,7 @@ def write_token_shard(out_dir: str | Path, name: str, keys: list[str], documents
         doc = int(np.searchsorted(offsets, bad, side="right") - 1)
         raise ShardError(f"shard {name}, key {keys[doc]!r}: token id {int(flat[bad])} outside the vocabulary "
                          f"(size {vocab_size}); the vocabulary and image tokenizer do not match")
+    out_dir.mkdir(parents=True, exist_ok=True)
     _save_npy_atomic(out_dir / f"{name}.ids.npy", flat.astype(id_dtype(vocab_size)))
     _save_npy_atomic(out_dir / f"{name}.offsets.npy", offsets)
     meta = {

@@ -174,7 +174,9 @@ def test_pack_rows_fits_every_piece_once_and_within_seq_len():
     assert sorted(pieces.tolist()) == list(range(200))
     fill = np.add.reduceat(lengths[pieces], row_ptr[:-1])
     assert fill.max() <= 16
-    assert len(row_ptr) - 1 <= 2 * int(np.ceil(lengths.sum() / 16))
+    # best-fit decreasing needs at most 11/9 of the optimum + 1 rows (Johnson 1973); here the optimum is the
+    # token lower bound, since short pieces fill every gap
+    assert len(row_ptr) - 1 <= 11 / 9 * int(np.ceil(lengths.sum() / 16)) + 1
 
 
 def test_packed_logits_equal_each_document_run_alone_in_the_model(tmp_path, tok):
