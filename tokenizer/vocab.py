@@ -195,22 +195,20 @@ class UnifiedVocab:
     ) -> list[str | torch.Tensor]:
         """Segments of an id sequence: text strings and LongTensor code grids (pad/bos/eos dropped).
 
-        Images become `grid_shape` grids, or square grids when it is None (1-D when the count is not square).
-        Other specials (separator, placeholder, reserved) appear by name inside the text.
+        Images become `grid_shape` grids, or square grids when it is None (1-D when the count is not square);
+        an unfinished image at the end (no `<eoi>`) comes back 1-D. Other specials (separator, placeholder,
+        reserved) appear by name inside the text.
         """
+        if isinstance(ids, (torch.Tensor, np.ndarray)) and ids.ndim != 1:
+            raise ValueError(
+                f"decode_document takes one 1-D sequence, got shape {tuple(ids.shape)}; loop over the rows"
+            )
         ids = self._as_list(ids)
         self._check_ids(ids)
         lay = self.layout
         segments: list[str | torch.Tensor] = []
-        text: list[int] = []
-        pieces: list[str] = []  # decoded text and special names of the current text segment
+        text: list[int] = []  # text ids and specials shown by name, up to the next image
         image: list[int] | None = None
-
-        def flush_text() -> None:
-            if text:
-                pieces.append(self.tokenizer.decode(text, skip_special_tokens=False))
-                text.clear()
-
         for position, i in enumerate(ids):
             if image is not None:
                 if i == self.eoi_id:
@@ -223,13 +221,10 @@ class UnifiedVocab:
                         f"id {i} ({self.tokenizer.id_to_token(i)!r}) at position {position} is inside an image "
                         f"(after <boi>, before <eoi>) but is not an image code"
                     )
-            elif lay.text_offset <= i < lay.text_end:
-                text.append(i)
             elif i == self.boi_id:
-                flush_text()
-                if pieces:
-                    segments.append("".join(pieces))
-                    pieces.clear()
+                if text:
+                    segments.append(self.decode_text(text))
+                    text = []
                 image = []
             elif i in (self.pad_id, self.bos_id, self.eos_id):
                 continue
@@ -238,13 +233,11 @@ class UnifiedVocab:
             elif i == self.eoi_id:
                 raise ValueError(f"<eoi> (id {i}) at position {position} has no matching <boi>")
             else:
-                flush_text()
-                pieces.append(self.tokenizer.id_to_token(i))
-        if image is not None:  # an unterminated image (e.g. generation hit its length limit)
-            segments.append(self._grid_of(image, grid_shape, len(ids)))
-        flush_text()
-        if pieces:
-            segments.append("".join(pieces))
+                text.append(i)
+        if image is not None:  # generation stopped inside an image
+            segments.append(torch.tensor(image, dtype=torch.long))
+        if text:
+            segments.append(self.decode_text(text))
         return segments
 
     # ----- masks --------------------------------------------------------------------------------

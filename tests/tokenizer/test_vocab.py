@@ -146,6 +146,14 @@ def test_decode_document_keeps_other_specials_by_name_and_drops_padding(vocab):
     assert vocab.decode_document(ids) == ["Q?<sep>A."]
 
 
+def test_decode_document_returns_an_unfinished_image_flat(vocab):
+    ids = vocab.encode_document(["draw:", torch.ones(2, 2, dtype=torch.long)], eos=False)[:-2]  # cut inside
+    text, image = vocab.decode_document(torch.tensor(ids), grid_shape=(2, 2))
+    assert text == "draw:" and image.tolist() == [1, 1, 1]
+    with pytest.raises(ValueError, match=rf"one 1-D sequence, got shape \(1, {len(ids)}\)"):
+        vocab.decode_document(torch.tensor([ids]))
+
+
 def test_decode_text_shows_or_skips_non_text_ids(vocab):
     ids = (
         vocab.encode_text("é") + [vocab.sep_id, vocab.image_id(12)] + vocab.encode_text("ok") + [vocab.eos_id]
