@@ -73,9 +73,11 @@ class Recorder(L.Callback):
         self.losses: list[float] = []
         self.steps: list[int] = []
         self.batches: list[torch.Tensor] = []
+        self.document_ids: list[torch.Tensor] = []
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.batches.append(batch["input_ids"].clone())
+        self.document_ids.append(batch["document_ids"].clone())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(trainer.callback_metrics["train/loss"]))
@@ -83,7 +85,8 @@ class Recorder(L.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         weights = full_state_dict(pl_module.model)
-        payload = {"losses": self.losses, "steps": self.steps, "batches": self.batches, "weights": weights}
+        payload = {"losses": self.losses, "steps": self.steps, "batches": self.batches,
+                   "document_ids": self.document_ids, "weights": weights}
         torch.save(payload, f"{self.out_prefix}.rank{trainer.global_rank}.pt")
 
 

@@ -12,7 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from fusion_model.checkpointing import AtomicCheckpointIO, atomic_torch_save, load_checkpoint_file, rng_state, set_rng_state
+from fusion_model.checkpointing import (
+    AtomicCheckpointIO,
+    atomic_torch_save,
+    load_checkpoint_file,
+    rng_state,
+    set_rng_state,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -18,7 +18,7 @@ import fit_worker as fw  # noqa: E402
 def test_resume_after_sigkill_matches_an_uninterrupted_run_bit_for_bit(tmp_path):
     tokens = fw.make_token_dir(tmp_path / "tokens")
     # dropout on (so the RNG states matter) and a loader worker (so the loader position matters);
-    # 9 steps of a 7-batch epoch: the kill is mid-epoch and the resumed run crosses into the next epoch
+    # 9 steps of an 8-batch epoch: the kill is mid-epoch and the resumed run crosses into the next epoch
     common = ["--model.config.dropout=0.1", "--data.num_workers=1"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the killed child uses 1 thread too: same float summation order everywhere
