@@ -76,41 +76,57 @@ class ThroughputMonitor(L.Callback):
 
 
 class SampleWriter(L.Callback):
-    """Every `every_n_steps` optimizer steps, rank 0 writes a few unconditional samples under `<log_dir>/samples/`."""
+    """Every `every_n_steps` optimizer steps, samples a continuation of each prompt (fusion_model.sampling) and
+    rank 0 writes them to `<log_dir>/samples/step<N>/` (samples.json, index.html, PNGs of generated images)."""
 
-    def __init__(self, every_n_steps: int = 1000, num_samples: int = 2, max_new_tokens: int = 64, tokenizer: str | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: str,
+        prompts: list[str] | None = None,
+        image_tokenizer: str | None = None,
+        every_n_steps: int = 1000,
+        mode: str | None = None,
+        max_new_tokens: int | None = 64,
+        seed: int = 0,
+    ) -> None:
+        """tokenizer: tokenizer.json; image_tokenizer: its save_pretrained dir (needed to decode images);
+        mode: "text" / "image" / "interleaved" (default: interleaved with an image tokenizer, else text)."""
         super().__init__()
-        self.every_n_steps = every_n_steps
-        self.num_samples = num_samples
-        self.max_new_tokens = max_new_tokens
-        self.tokenizer = tokenizer
+        self.tokenizer_path, self.image_tokenizer_path = tokenizer, image_tokenizer
+        self.prompts = prompts or [""]
+        self.every_n_steps, self.max_new_tokens, self.seed = every_n_steps, max_new_tokens, seed
+        self.mode = mode or ("interleaved" if image_tokenizer else "text")
+        self._last_written = -1
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Load the tokenizers once."""
+        from tokenizer.vocab import UnifiedVocab
+
+        self.vocab = UnifiedVocab.load(self.tokenizer_path)
+        self.image_tokenizer = None
+        if self.image_tokenizer_path:
+            from tokenizer.image import ImageTokenizer
+
+            self.image_tokenizer = ImageTokenizer.from_pretrained(self.image_tokenizer_path).to(pl_module.device)
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
-        """Write samples at the configured interval (greedy-free: plain sampling at temperature 1)."""
+        """At the interval, every rank samples (FSDP needs all ranks in the forward); rank 0 writes."""
         step = trainer.global_step
-        if step == 0 or step % self.every_n_steps or not trainer.is_global_zero or step == getattr(self, "_done", -1):
+        if step == 0 or step % self.every_n_steps or step == self._last_written:
             return
-        self._done = step
-        out_dir = Path(trainer.log_dir or trainer.default_root_dir) / "samples"
-        out_dir.mkdir(parents=True, exist_ok=True)
-        ids = self._sample(pl_module)
-        lines = [" ".join(map(str, row)) for row in ids.tolist()]
-        if self.tokenizer is not None:
-            from tokenizer.vocab import UnifiedVocab
+        self._last_written = step
+        from fusion_model.sample_output import write_samples
+        from fusion_model.sampling import SamplingConfig, generate
 
-            vocab = UnifiedVocab.load(self.tokenizer)
-            lines = [repr(vocab.decode_document(row)) for row in ids]
-        (out_dir / f"step{step:08d}.txt").write_text("\n".join(lines) + "\n")
-
-    @torch.no_grad()
-    def _sample(self, pl_module: L.LightningModule) -> torch.Tensor:
-        """Ancestral sampling from `<s>` (id given by the model config's bos or 1), no KV cache: short and simple."""
+        # a seeded generator inside `generate`: the training RNG streams (dropout) are left untouched
+        config = SamplingConfig(mode=self.mode, max_new_tokens=self.max_new_tokens, seed=self.seed)
+        prompts = [[text] if text else [] for text in self.prompts]
         was_training = pl_module.training
         pl_module.eval()
-        bos = getattr(pl_module.model_config, "bos_id", 1)
-        ids = torch.full((self.num_samples, 1), bos, dtype=torch.long, device=pl_module.device)
-        for _ in range(self.max_new_tokens):
-            logits = pl_module.model(ids)[:, -1].float()
-            ids = torch.cat([ids, torch.multinomial(torch.softmax(logits, -1), 1)], dim=1)
+        with torch.no_grad():
+            samples, ids = generate(pl_module.model, self.vocab, self.image_tokenizer, prompts, config, return_ids=True)
         pl_module.train(was_training)
-        return ids.cpu()
+        if trainer.is_global_zero:
+            out_dir = Path(trainer.log_dir or trainer.default_root_dir) / "samples" / f"step{step:08d}"
+            write_samples(out_dir, samples, prompts=prompts, ids=ids, settings={"step": step, **config.__dict__},
+                          title=f"Samples at step {step}")

@@ -142,3 +142,21 @@ def test_every_step_logs_losses_lr_grad_norm_throughput_and_validation(tokens, t
     assert 0 < min(float(r["train/mfu"]) for r in rows if r.get("train/mfu"))
     assert len([r for r in rows if r.get("val/loss")]) == 2
     assert list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+
+
+def test_sample_writer_writes_samples_at_its_interval(tmp_path):
+    from tokenizer.vocab import train_unified_vocab
+
+    vocab = train_unified_vocab(["a gray square number", "and some words"] * 50, vocab_size=512, image_codes=64)
+    vocab.save(tmp_path / "tokenizer.json")
+    tokens = fw.make_token_dir(tmp_path / "tokens", vocab_size=512, vocab_fingerprint=vocab.fingerprint())
+    writer = {"class_path": "fusion_model.callbacks.SampleWriter",
+              "init_args": {"tokenizer": str(tmp_path / "tokenizer.json"), "prompts": ["a gray", ""], "every_n_steps": 2,
+                            "max_new_tokens": 6}}
+    args = fw.tiny_args(tokens, tmp_path, 3, extra=["--model.config.vocab_size=512", f"--data.tokenizer={tmp_path / 'tokenizer.json'}",
+                                                    f"--trainer.callbacks={json.dumps([writer])}", "--trainer.enable_checkpointing=false"])
+    assert main(args) == 0
+    written = sorted(p.parent.name for p in tmp_path.rglob("samples/*/samples.json"))
+    assert written == ["step00000002"]
+    samples = json.loads(next(tmp_path.rglob("samples.json")).read_text())["samples"]
+    assert len(samples) == 2 and all(1 <= len(s["ids"]) <= 6 for s in samples)
