@@ -89,8 +89,10 @@ def _write(args: argparse.Namespace) -> int:
 
 def _tokenize(args: argparse.Namespace) -> int:
     from data_shards.pretokenize import pretokenize
+    from data_shards.raw import read_raw_manifest
     from tokenizer.vocab import UnifiedVocab
 
+    read_raw_manifest(args.raw)  # fail before loading models
     vocab = UnifiedVocab.load(args.vocab)
     image_tokenizer = None
     if args.image_tokenizer:
@@ -147,4 +149,8 @@ def _inspect(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python train.py shards ...`."""
     args = build_parser().parse_args(argv)
-    return {"write": _write, "tokenize": _tokenize, "inspect": _inspect}[args.action](args)
+    try:
+        return {"write": _write, "tokenize": _tokenize, "inspect": _inspect}[args.action](args)
+    except (ValueError, OSError) as err:  # ShardError, ImageLoadError, missing files: the message says what to do
+        print(f"shards {args.action}: {type(err).__name__}: {err}", file=sys.stderr)
+        return 1

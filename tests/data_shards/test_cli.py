@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
 import torch
 from PIL import Image
 
@@ -66,8 +65,13 @@ def test_write_without_sources_is_a_usage_error(tmp_path, capsys):
     assert "give at least one source" in capsys.readouterr().err
 
 
-def test_strict_write_stops_at_a_bad_image(tmp_path):
+def test_strict_write_stops_at_a_bad_image(tmp_path, capsys):
     (tmp_path / "bad.png").write_bytes(b"nope")
     (tmp_path / "bad.txt").write_text("bad")
-    with pytest.raises(ValueError, match="rejected"):
-        train.main(["shards", "write", str(tmp_path / "raw"), "--image-folder", str(tmp_path), "--strict"])
+    assert train.main(["shards", "write", str(tmp_path / "raw"), "--image-folder", str(tmp_path), "--strict"]) == 1
+    assert "sample 'bad' rejected" in capsys.readouterr().err
+
+
+def test_tokenize_of_a_missing_directory_says_what_to_run(tmp_path, capsys):
+    code = train.main(["shards", "tokenize", str(tmp_path / "nope"), str(tmp_path / "out"), "--vocab", "x.json"])
+    assert code == 1 and "run `shards write`" in capsys.readouterr().err
