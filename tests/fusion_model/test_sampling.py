@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -23,6 +22,7 @@ from fusion_model.sampling import (
     mix_guidance,
     truncate_logits,
 )
+from tokenizer.image import ImageTokenizer, ImageTokenizerConfig
 from tokenizer.vocab import train_unified_vocab
 
 CORPUS = ["the cat sat on the mat", "a dog ran far away", "one two three four five six seven"] * 10
@@ -297,28 +297,17 @@ def test_bad_requests_are_refused_with_what_to_do(vocab):
 # ---------------------------------------------------------------- images in and out
 
 
-class ColourTokenizer(torch.nn.Module):
-    """A stand-in image tokenizer: each code is a colour, each code paints a 4x4 block."""
-
-    def __init__(self, codes: int, grid: tuple[int, int]):
-        super().__init__()
-        self.config = type("Config", (), {"codebook_size": codes, "image_size": 4 * grid[0]})()
-        self.grid_shape = grid
-        self.palette = torch.nn.Parameter(torch.linspace(-1, 1, codes)[:, None].repeat(1, 3), requires_grad=False)
-
-    def encode(self, images):
-        size = (self.grid_shape[1], self.grid_shape[0])
-        grey = torch.stack([torch.from_numpy(np.array(im.convert("L").resize(size))) for im in images])
-        return grey.long() * len(self.palette) // 256
-
-    def decode(self, codes):
-        rgb = self.palette[codes].permute(0, 3, 1, 2)
-        return torch.nn.functional.interpolate(rgb, scale_factor=4, mode="nearest")
+def image_tokenizer_of(codes: int) -> ImageTokenizer:
+    """A random tiny VQ image tokenizer: 8 px images, 2x2 codes."""
+    torch.manual_seed(0)
+    config = ImageTokenizerConfig(image_size=8, base_channels=8, channel_multiplier=(1, 1, 1), num_res_blocks=1,
+                                  latent_channels=8, norm_groups=4, codebook_size=codes)
+    return ImageTokenizer(config).eval()
 
 
 def test_generate_decodes_images_to_the_configured_size_and_writes_png_json_html(vocab, tmp_path):
     model = steer(tiny_model(vocab), vocab, 2.0, torch.Generator().manual_seed(5))
-    image_tokenizer = ColourTokenizer(vocab.image_codes, (2, 3))
+    image_tokenizer = image_tokenizer_of(vocab.image_codes)
     photo = tmp_path / "prompt.png"
     Image.new("RGB", (12, 8), (200, 10, 10)).save(photo)
     prompts = [["the cat"], ["a dog", photo, "sat"]]
@@ -326,13 +315,13 @@ def test_generate_decodes_images_to_the_configured_size_and_writes_png_json_html
     samples = generate(model, vocab, image_tokenizer, prompts, config)
     for segments in samples:
         (image,) = segments
-        assert isinstance(image, Image.Image) and image.size == (12, 8)
+        assert isinstance(image, Image.Image) and image.size == (8, 8)
     paths = write_samples(tmp_path / "out", samples, prompts=prompts, ids=[[1, 2], [3]], settings={"seed": 0})
     body = json.loads(paths["json"].read_text())
     assert [r["ids"] for r in body["samples"]] == [[1, 2], [3]]
     first_png = tmp_path / "out" / body["samples"][0]["output"][0]["image"]
     with Image.open(first_png) as png:
-        assert png.size == (12, 8)
+        assert png.size == (8, 8)
     assert body["samples"][1]["prompt"][1]["source"] == str(photo)
     page = paths["html"].read_text()
     assert page.count("data:image/png;base64,") == 3 and "a dog" in page and "src=\"http" not in page
@@ -340,7 +329,7 @@ def test_generate_decodes_images_to_the_configured_size_and_writes_png_json_html
 
 def test_generate_explains_missing_or_unreadable_prompt_images(vocab, tmp_path):
     model = tiny_model(vocab)
-    image_tokenizer = ColourTokenizer(vocab.image_codes, (2, 2))
+    image_tokenizer = image_tokenizer_of(vocab.image_codes)
     config = SamplingConfig(mode="text", max_new_tokens=3)
     with pytest.raises(FileNotFoundError, match="nothere.png"):
         generate(model, vocab, image_tokenizer, [["a", tmp_path / "nothere.png"]], config)
@@ -349,4 +338,4 @@ def test_generate_explains_missing_or_unreadable_prompt_images(vocab, tmp_path):
     with pytest.raises(ValueError, match="broken.png"):
         generate(model, vocab, image_tokenizer, [[broken]], config)
     with pytest.raises(ValueError, match="16 image ids"):
-        generate(model, vocab, ColourTokenizer(32, (2, 2)), [["a"]], config)
+        generate(model, vocab, image_tokenizer_of(32), [["a"]], config)

@@ -91,3 +91,15 @@ def test_bad_input_is_reported_with_what_to_do(files, tmp_path, capsys):
     bad.write_text('{"txt": 1}\n')
     assert main(common + ["--vocab", str(files / "tokenizer.json"), "--prompts-file", str(bad)]) == 1
     assert "bad.jsonl:1" in capsys.readouterr().err
+
+
+def test_a_transformers_export_loads_with_its_bundled_tokenizer_and_samples_the_same(files, tmp_path):
+    from fusion_model.convert_cli import export_transformers
+
+    export_transformers(str(files / "model.ckpt"), str(tmp_path / "hf"), vocab=str(files / "tokenizer.json"))
+    common = ["--prompt", "the cat", "--mode", "text", "--max-new-tokens", "6", "--text-temperature", "0"]
+    assert main(["--checkpoint", str(tmp_path / "hf"), "--out", str(tmp_path / "a")] + common) == 0
+    assert main(["--checkpoint", str(files / "model.ckpt"), "--vocab", str(files / "tokenizer.json"),
+                 "--out", str(tmp_path / "b")] + common) == 0
+    ids = [json.loads((tmp_path / d / "samples.json").read_text())["samples"][0]["ids"] for d in ("a", "b")]
+    assert ids[0] == ids[1] and len(ids[0]) > 0
