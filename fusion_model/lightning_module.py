@@ -81,14 +81,14 @@ class FusionLightningModule(L.LightningModule):
         mesh = getattr(self, "_device_mesh", None)
         if mesh is None:
             return
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-        if "tensor_parallel" in mesh.mesh_dim_names and mesh["tensor_parallel"].size() > 1:
-            raise ValueError(
-                f"this model has no tensor parallelism; set trainer.strategy.init_args.tensor_parallel_size=1 and "
-                f"data_parallel_size={mesh.size()} (now tensor_parallel_size={mesh['tensor_parallel'].size()})"
-            )
-        dp_mesh = mesh["data_parallel"] if "data_parallel" in mesh.mesh_dim_names else mesh
+        # Pure data parallelism: this decoder has no tensor-parallel layers, so shard over ALL ranks even
+        # when the strategy's "auto" sizes split them into data x tensor (it does so within a node).
+        dp_mesh = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
+        if dp_mesh.size() != mesh.size():
+            dp_mesh = init_device_mesh(mesh.device_type, (mesh.size(),), mesh_dim_names=("data_parallel",))
         for block in self.model.layers:
             fully_shard(block, mesh=dp_mesh)
         fully_shard(self.model, mesh=dp_mesh)
