@@ -137,7 +137,9 @@ def bench_train_step(config: FusionConfig, *, batch: int, steps: int, warmup: in
         figures["peak_memory"] = {"value": torch.cuda.max_memory_allocated(device), "unit": "B"}
     config_out = {"model": config.to_dict(), "parameters": config.num_parameters(), "batch": batch,
                   "seq_len": seq_len, "docs_per_row": 4, "dtype": str(dtype), "compile": compile_blocks,
-                  "flops_per_token": config.flops_per_token(seq_len), "loss": float(loss)}
+                  "flops_per_token": config.flops_per_token(seq_len), "loss": float(loss),
+                  "data": "one random packed batch reused every step: a throughput figure; the loss falls by "
+                          "memorisation (on an H200 a fresh batch still scored chance, 11.5, after 8 steps)"}
     return {"figures": figures, "config": config_out}
 
 

@@ -1,15 +1,12 @@
 """The runner: discovery, bounded child processes, and the BENCHMARKS.md table built from result files."""
 
 import json
+import shutil
 
 import pytest
 
 from bench import run
 from bench.harness import RESULTS_DIR, PairedResult, write_result
-
-
-def _snapshot(directory):
-    return {p.name: p.stat().st_mtime_ns for p in directory.glob("*")} if directory.exists() else {}
 
 
 def test_discover_lists_every_bench_module_by_name():
@@ -36,13 +33,13 @@ def test_markdown_shows_ratio_spread_values_limits_and_when(tmp_path):
     text = run.render_markdown(tmp_path, failures={"beta": "timed out after 5 s"})
     rows = {line.split("|")[2].strip(): line for line in text.splitlines() if line.startswith("| alpha")}
     assert "**2.00×**" in rows["encode"] and "1.50–2.50×" in rows["encode"] and "| 7 |" in rows["encode"]
-    assert "0.41 of peak" in rows["medium.mfu"]
+    assert "41.0% of peak" in rows["medium.mfu"]
     assert "1.23e+04" in rows["medium.tokens_per_s"]
     assert all("UTC, M1" in row for row in rows.values())
     assert "| limits | matmul_peak | 250 GFLOP/s (dtype float32) |" in text
     assert "- `beta`: timed out after 5 s" in text
     assert "- M1: " in text and "torch" in text
-    assert "Not measured: no GPU" in text  # no gpu.json yet
+    assert "Not measured yet: no GPU result" in text  # no gpu.json here
     assert '**alpha**, ran 3.2 s: `{"batch": 8}`' in text
 
 
@@ -60,19 +57,30 @@ def test_markdown_gives_gpu_results_their_own_section(tmp_path):
     write_result("gpu", {"figures": {"train_mfu": {"value": 0.45, "unit": "of peak"}}, "config": {}}, tmp_path)
     text = run.render_markdown(tmp_path)
     gpu_section = text.split("## GPU")[1].split("##")[0]
-    assert "| gpu | train_mfu | 0.45 of peak |" in gpu_section
+    assert "| gpu | train_mfu | 45.0% of peak |" in gpu_section
     assert "Not measured" not in gpu_section
 
 
 def test_runner_runs_a_bench_in_a_child_and_writes_results_and_markdown(tmp_path):
-    before = _snapshot(RESULTS_DIR)
     markdown = tmp_path / "BENCH.md"
     code = run.main(["limits", "--smoke", "--results-dir", str(tmp_path / "r"), "--markdown", str(markdown)])
     assert code == 0
     body = json.loads((tmp_path / "r" / "limits.json").read_text())
     assert body["smoke"] is True and body["elapsed_s"] >= 0 and body["figures"]["matmul_peak"]["value"] > 0
     assert "| limits | matmul_peak |" in markdown.read_text()
-    assert _snapshot(RESULTS_DIR) == before  # smoke results never land in bench/results
+
+
+def test_smoke_run_without_a_results_dir_keeps_away_from_bench_results(monkeypatch, tmp_path):
+    seen = {}
+
+    def fake_child(name, smoke, out_dir, max_seconds, compare_seconds):
+        seen[name] = out_dir
+        return "ok"
+
+    monkeypatch.setattr(run, "_run_in_child", fake_child)
+    assert run.main(["limits", "--smoke"]) == 0
+    assert seen["limits"] != RESULTS_DIR and "bench-smoke-" in seen["limits"].name
+    shutil.rmtree(seen["limits"])
 
 
 def test_runner_kills_a_bench_that_overruns_its_time(tmp_path):
