@@ -75,6 +75,8 @@ def _number(value: float, unit: str = "") -> str:
     for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(value) >= scale and unit:
             return f"{value / scale:.3g} {prefix}{unit}"
+    if abs(value) >= 1e4:
+        return f"{float(f'{value:.3g}'):,.0f} {unit}".strip()  # 3 significant digits, thousands separated
     return f"{value:.3g} {unit}".strip()
 
 
@@ -94,7 +96,14 @@ def _paired_from_flat(figures: dict) -> tuple[str, dict, set[str]] | None:
         if len(medians) == 1 and isinstance(figures[medians[0]], (int, float)):
             paired = {"speedup_median": figures[medians[0]], "speedup_q25": figures[key],
                       "speedup_q75": figures[f"{base}_q75"], "pairs": figures.get("pairs", "")}
-            return medians[0], paired, spread | {medians[0], "pairs"}
+            used = spread | {medians[0], "pairs"}
+            if isinstance(figures.get("ours_median_s"), (int, float)) and isinstance(
+                figures.get("reference_median_s"), (int, float)
+            ):
+                paired["ours_median_s"] = figures["ours_median_s"]
+                paired["reference_median_s"] = figures["reference_median_s"]
+                used |= {"ours_median_s", "reference_median_s"}
+            return medians[0], paired, used
     return None
 
 
