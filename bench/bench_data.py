@@ -106,16 +106,17 @@ def run(smoke: bool = False) -> dict:
         big_s = time.perf_counter() - start
     tokens_per_batch = seq_len * batch_size
     figures = {
-        "stream_vs_model_speedup_median": result.speedup_median,
-        "stream_vs_model_speedup_q25": result.speedup_q25,
-        "stream_vs_model_speedup_q75": result.speedup_q75,
-        "stream_tokens_per_s": many * tokens_per_batch / stream_s,
-        "model_train_tokens_per_s": steps * tokens_per_batch / result.reference_median_s,
-        "stream_tokens_per_s_chameleon_shaped": big_count * 4 * 4096 / big_s,
+        # speedup = model seconds / stream seconds for the same batches: how many times faster than the
+        # decoder trains the stream delivers tokens (goal >= 100x)
+        "stream_vs_demo_train_step": {**result.as_dict(), "goal": 100.0},
+        "stream_tokens_per_s": {"value": many * tokens_per_batch / stream_s, "unit": "tokens/s",
+                                "batches": many},
+        "model_train_tokens_per_s": {"value": steps * tokens_per_batch / result.reference_median_s,
+                                     "unit": "tokens/s"},
+        "stream_tokens_per_s_chameleon_shaped": {"value": big_count * 4 * 4096 / big_s, "unit": "tokens/s"},
         "padding_fraction_chameleon_shaped": 1 - big.manifest["tokens"] / (len(big) * 4 * 4096),
-        "pretokenize_images_per_s": images_per_s,
-        "stream_setup_s": setup_s,
-        "goal_speedup": 100.0,
+        "pretokenize_images_per_s": {"value": images_per_s, "unit": "images/s"},
+        "stream_setup_s": {"value": setup_s, "unit": "s"},
     }
     payload = {
         "figures": figures,
