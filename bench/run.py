@@ -270,7 +270,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-seconds", type=float, default=300.0, help="kill a benchmark after this long (default 300)")
     parser.add_argument(
         "--compare-seconds", type=float, default=None,
-        help=f"cap every side-by-side comparison at this many seconds (sets {COMPARE_SECONDS_ENV})",
+        help=f"cap every side-by-side comparison at this many seconds (sets {COMPARE_SECONDS_ENV}; 1 with --smoke)",
     )
     parser.add_argument("--results-dir", type=Path, default=None, help=f"where results go (default {RESULTS_DIR})")
     parser.add_argument(
@@ -315,11 +315,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.render_only:
         print(f"bench: wrote {write_markdown(out_dir, markdown or MARKDOWN)}")
         return 0
+    compare_seconds = args.compare_seconds
+    if compare_seconds is None and args.smoke:
+        compare_seconds = 1.0  # smoke runs check that a benchmark works, not how fast it is
     failures: dict[str, str] = {}
     for name in args.names or available:
         print(f"bench: {name} ...", flush=True)
         start = time.perf_counter()
-        status = _run_in_child(name, args.smoke, out_dir, args.max_seconds, args.compare_seconds)
+        status = _run_in_child(name, args.smoke, out_dir, args.max_seconds, compare_seconds)
         print(f"bench: {name} {status} ({time.perf_counter() - start:.1f} s)", flush=True)
         if status != "ok":
             failures[name] = status
