@@ -180,3 +180,26 @@ def test_image_bidirectional_lets_an_image_see_its_own_later_codes_only():
     causal.load_state_dict(model.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(causal.eval()(ids)[0, :5], causal(changed)[0, :5])
+
+
+def test_rms_norm_computes_in_fp32_for_bf16_inputs():
+    from fusion_model.model import RMSNorm
+
+    norm = RMSNorm(64, 1e-5)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(3, 64).bfloat16()
+    x32 = x.float()
+    expected = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).bfloat16()
+    torch.testing.assert_close(norm.to(torch.float32)(x), expected)
+    torch.testing.assert_close(norm(x32), expected.float(), atol=0.02, rtol=0.02)
+
+
+def test_bf16_model_gives_finite_fp32_logits_close_to_fp32():
+    model = model_for(tiny()).eval()
+    ids = torch.randint(0, 256, (2, 8))
+    with torch.no_grad():
+        expected = model(ids)
+        got = model.to(torch.bfloat16)(ids)
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    torch.testing.assert_close(got, expected, atol=0.1, rtol=0.1)
