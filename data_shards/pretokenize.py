@@ -116,6 +116,9 @@ def pretokenize(
         raise ValueError(f"flip_probability must be in [0, 1], got {flip_probability}")
     raw_dir, out_dir = Path(raw_dir), Path(out_dir)
     raw_manifest = read_raw_manifest(raw_dir)
+    if not raw_manifest["shards"]:
+        raise ShardError(f"{raw_dir}: no raw shards (0 documents, {raw_manifest.get('skipped_count', 0)} skipped; "
+                         "see the manifest's 'skipped' list for why)")
     out_dir.mkdir(parents=True, exist_ok=True)
     info = {
         "vocab_fingerprint": vocab.fingerprint(),

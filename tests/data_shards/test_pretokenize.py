@@ -152,3 +152,10 @@ def test_token_shards_stream_into_batches(tmp_path, vocab, image_tokenizer, raw_
     assert int((ids == vocab.bos_id).sum()) == len(DOCS)
     assert int((ids == vocab.boi_id).sum()) == 10
     assert (batches[0]["input_ids"][batches[0]["document_ids"] < 0] == vocab.pad_id).all()
+
+
+def test_raw_directory_without_documents_is_an_error(tmp_path, vocab, image_tokenizer):
+    with RawShardWriter(tmp_path / "raw") as writer:
+        writer.skip("only", "bad image")
+    with pytest.raises(ShardError, match="no raw shards.*1 skipped"):
+        pretokenize(tmp_path / "raw", tmp_path / "tok", vocab, image_tokenizer, progress=False)
