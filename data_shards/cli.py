@@ -138,7 +138,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
             vocab = UnifiedVocab.load(args.vocab)
         shard = TokenShard(args.dir, manifest["shards"][0]["name"], manifest["vocab_size"])
-        for i in range(min(args.show, len(shard.keys))):
+        for i in range(min(args.show, len(shard))):
             ids = shard.ids[shard.offsets[i] : shard.offsets[i + 1]].astype("int64").tolist()
             shown = vocab.decode_document(ids, grid_shape=manifest.get("grid_shape")) if vocab else ids[:64]
             shown = [s if isinstance(s, str) else f"<image {tuple(s.shape)}>" for s in shown] if vocab else shown

@@ -78,8 +78,7 @@ def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: 
             flush()
             pending_images = 0
     flush()
-    meta = write_token_shard(out_dir, name, keys, documents, {**info, "images": images_done, "source": raw_path.name})
-    return {k: v for k, v in meta.items() if k != "keys"}
+    return write_token_shard(out_dir, name, keys, documents, {**info, "images": images_done, "source": raw_path.name})
 
 
 _WORKER: dict = {}
@@ -135,7 +134,7 @@ def pretokenize(
         if meta is None:
             todo.append(raw_dir / shard["name"])
         elif all(meta.get(f) == info[f] for f in _REUSE_FIELDS):
-            metas[name] = {k: v for k, v in meta.items() if k != "keys"}
+            metas[name] = meta
         else:
             changed = [f for f in _REUSE_FIELDS if meta.get(f) != info[f]]
             raise ShardError(f"{out_dir}: shard {name} was tokenized with other settings ({', '.join(changed)}); "

@@ -112,7 +112,7 @@ class PackedTokenStream(IterableDataset):
         # The document table needs only the offsets (small); ids stay on disk until a batch needs them.
         shard_of, starts, lengths = [], [], []
         for index, shard in enumerate(self._open_shards()):
-            shard_of.append(np.full(len(shard.keys), index, dtype=np.int32))
+            shard_of.append(np.full(len(shard), index, dtype=np.int32))
             starts.append(shard.offsets[:-1])
             lengths.append(shard.lengths)
         doc_shard, doc_start, doc_len = np.concatenate(shard_of), np.concatenate(starts), np.concatenate(lengths)

@@ -1,8 +1,9 @@
 """Token shards: flat uint16 ids + per-document offsets (.npy, never pickled) + keys, and a checked manifest.
 
 Layout of a token directory: `manifest.json` and, per shard NAME, `NAME.ids.npy` (all ids concatenated),
-`NAME.offsets.npy` (int64, documents + 1 entries) and `NAME.meta.json` (keys, counts; written last, so
-its presence means the shard is complete).
+`NAME.offsets.npy` (int64, documents + 1 entries), `NAME.keys.json` (sample keys, read only to name a
+document in an error) and `NAME.meta.json` (counts and settings; written last, so its presence means the
+shard is complete).
 """
 
 from __future__ import annotations
@@ -57,13 +58,13 @@ def write_token_shard(out_dir: str | Path, name: str, keys: list[str], documents
     out_dir.mkdir(parents=True, exist_ok=True)
     _save_npy_atomic(out_dir / f"{name}.ids.npy", flat.astype(id_dtype(vocab_size)))
     _save_npy_atomic(out_dir / f"{name}.offsets.npy", offsets)
+    write_json_atomic(out_dir / f"{name}.keys.json", keys)
     meta = {
         "name": name,
         "documents": len(documents),
         "tokens": int(offsets[-1]),
         "max_id": int(flat.max()) if flat.size else -1,
         **info,
-        "keys": keys,
     }
     write_json_atomic(out_dir / f"{name}.meta.json", meta)
     return meta
@@ -113,7 +114,7 @@ def read_manifest(token_dir: str | Path) -> dict:
     if not manifest["shards"]:
         raise ShardError(f"{path}: lists no shards")
     for shard in manifest["shards"]:
-        for suffix in (".ids.npy", ".offsets.npy", ".meta.json"):
+        for suffix in (".ids.npy", ".offsets.npy", ".keys.json", ".meta.json"):
             if not (token_dir / f"{shard['name']}{suffix}").is_file():
                 raise ShardError(f"{path}: shard {shard['name']} lists a missing file {shard['name']}{suffix}")
         if shard.get("max_id", -1) >= manifest["vocab_size"]:
@@ -123,27 +124,42 @@ def read_manifest(token_dir: str | Path) -> dict:
 
 
 class TokenShard:
-    """Read access to one token shard: ids as a read-only memmap, offsets and keys in memory."""
+    """Read access to one token shard: ids as a read-only memmap, offsets in memory, keys loaded on demand."""
 
     def __init__(self, token_dir: str | Path, name: str, vocab_size: int) -> None:
-        token_dir = Path(token_dir)
+        self.token_dir = Path(token_dir)
         self.name = name
         self.vocab_size = vocab_size
+        self._keys: list[str] | None = None
         try:
-            self.ids = np.load(token_dir / f"{name}.ids.npy", mmap_mode="r", allow_pickle=False)
-            self.offsets = np.load(token_dir / f"{name}.offsets.npy", allow_pickle=False)
-            self.keys = json.loads((token_dir / f"{name}.meta.json").read_text())["keys"]
+            self.ids = np.load(self.token_dir / f"{name}.ids.npy", mmap_mode="r", allow_pickle=False)
+            self.offsets = np.load(self.token_dir / f"{name}.offsets.npy", allow_pickle=False)
+            documents = json.loads((self.token_dir / f"{name}.meta.json").read_text())["documents"]
         except (OSError, ValueError, KeyError) as err:
             raise ShardError(f"shard {name}: unreadable token shard ({err}); re-run `shards tokenize`") from err
         if self.ids.ndim != 1 or self.offsets.ndim != 1 or self.offsets.dtype != np.int64:
             raise ShardError(f"shard {name}: ids must be 1-D and offsets 1-D int64")
-        if len(self.offsets) != len(self.keys) + 1 or self.offsets[0] != 0 or self.offsets[-1] != len(self.ids):
-            raise ShardError(f"shard {name}: offsets ({len(self.offsets)}) do not match keys ({len(self.keys)}) "
-                             f"and ids ({len(self.ids)}); the shard is corrupt, re-run `shards tokenize`")
+        if len(self.offsets) != documents + 1 or self.offsets[0] != 0 or self.offsets[-1] != len(self.ids):
+            raise ShardError(f"shard {name}: offsets ({len(self.offsets)}) do not match its {documents} documents "
+                             f"and {len(self.ids)} ids; the shard is corrupt, re-run `shards tokenize`")
         if np.any(np.diff(self.offsets) < 0):
             raise ShardError(f"shard {name}: offsets are not increasing; the shard is corrupt")
-        if len(self.keys) == 0:
+        if documents == 0:
             raise ShardError(f"shard {name}: empty shard (no documents)")
+
+    def __len__(self) -> int:
+        """Documents in the shard."""
+        return len(self.offsets) - 1
+
+    @property
+    def keys(self) -> list[str]:
+        """Sample keys, one per document (read from NAME.keys.json the first time)."""
+        if self._keys is None:
+            keys = json.loads((self.token_dir / f"{self.name}.keys.json").read_text())
+            if len(keys) != len(self):
+                raise ShardError(f"shard {self.name}: {len(keys)} keys for {len(self)} documents; re-run `shards tokenize`")
+            self._keys = keys
+        return self._keys
 
     @property
     def lengths(self) -> np.ndarray:
