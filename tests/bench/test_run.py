@@ -2,6 +2,8 @@
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -111,3 +113,10 @@ def test_render_only_rewrites_markdown_from_existing_results(tmp_path):
     markdown = tmp_path / "B.md"
     assert run.main(["--render-only", "--results-dir", str(tmp_path), "--markdown", str(markdown)]) == 0
     assert "**2.00×**" in markdown.read_text()
+
+
+def test_python_dash_m_bench_lists_the_benchmarks():
+    done = subprocess.run([sys.executable, "-m", "bench", "--list"], cwd=run.REPO_ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == run.discover()
