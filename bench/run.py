@@ -62,6 +62,11 @@ def _run_in_child(name: str, smoke: bool, out_dir: Path, max_seconds: float, com
         os.killpg(child.pid, signal.SIGKILL)
         child.wait()
         return f"timed out after {max_seconds:g} s (raise --max-seconds or shrink the benchmark)"
+    except KeyboardInterrupt:
+        # its own session does not see the terminal's Ctrl-C, so take it down before leaving
+        os.killpg(child.pid, signal.SIGKILL)
+        child.wait()
+        raise
     return "ok" if code == 0 else f"failed with exit code {code} (its traceback is printed above)"
 
 
