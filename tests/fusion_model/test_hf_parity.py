@@ -164,3 +164,17 @@ def test_export_includes_the_vq_encoder_of_our_chameleon_layout_image_tokenizer(
     exported = loaded.model.vqmodel.state_dict()
     for key, value in reference.model.vqmodel.state_dict().items():
         torch.testing.assert_close(exported[key], value, msg=key)
+
+
+def test_export_with_the_unified_vocabulary_names_every_token(tmp_path):
+    from tokenizer.vocab import train_unified_vocab
+
+    vocab = train_unified_vocab(["a small gray cat sat on the mat"] * 20, vocab_size=512, image_codes=128)
+    config = FusionConfig.from_preset("tiny", vocab_size=vocab.vocab_size, image_offset=vocab.image_offset,
+                                      image_codes=vocab.image_codes)
+    FusionModel(config).to_transformers(tmp_path, vocab=vocab)
+    assert (tmp_path / "tokenizer.json").is_file()
+    loaded = ChameleonForConditionalGeneration.from_pretrained(tmp_path, local_files_only=True)
+    assert len(loaded.config.vocabulary_map) == vocab.vocab_size
+    assert loaded.model.vocabulary_mapping.image_tokens == list(range(vocab.image_offset, vocab.image_offset + 128))
+    assert loaded.config.image_token_id == vocab.image_placeholder_id
