@@ -27,17 +27,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _best_seconds(fn, device: torch.device, repeats: int, warmup: int) -> float:
-    """Fastest of `repeats` timed calls: a peak is what the hardware can do, so noise only ever adds time."""
+def _best_seconds(fn, device: torch.device, repeats: int, warmup: int, min_seconds: float = 0.0) -> float:
+    """Fastest of at least `repeats` timed calls, repeated for at least `min_seconds`: a peak is what the
+    hardware can do, noise from other processes only ever adds time, so a longer window finds a quiet moment."""
     for _ in range(warmup):
         fn()
     _sync(device)
     best = float("inf")
-    for _ in range(repeats):
+    calls = 0
+    window_end = time.perf_counter() + min_seconds
+    while calls < repeats or time.perf_counter() < window_end:
         start = time.perf_counter()
         fn()
         _sync(device)
         best = min(best, time.perf_counter() - start)
+        calls += 1
     return best
 
 
@@ -47,6 +51,7 @@ def matmul_peak_flops(
     *,
     size: int | None = None,
     repeats: int = 5,
+    min_seconds: float = 0.0,
 ) -> float:
     """Best achieved FLOP/s of a square matmul: fp32 on CPU, bf16 on GPU unless `dtype` says otherwise."""
     device = torch.device(device) if device is not None else default_device()
@@ -59,7 +64,7 @@ def matmul_peak_flops(
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     out = torch.empty(size, size, device=device, dtype=dtype)
-    seconds = _best_seconds(lambda: torch.mm(a, b, out=out), device, repeats=repeats, warmup=2)
+    seconds = _best_seconds(lambda: torch.mm(a, b, out=out), device, repeats, warmup=2, min_seconds=min_seconds)
     return 2.0 * size**3 / seconds
 
 
@@ -68,6 +73,7 @@ def copy_bandwidth(
     *,
     nbytes: int | None = None,
     repeats: int = 5,
+    min_seconds: float = 0.0,
 ) -> float:
     """Best memory copy bandwidth in bytes/s, counting bytes read plus bytes written (STREAM's convention)."""
     device = torch.device(device) if device is not None else default_device()
@@ -77,7 +83,7 @@ def copy_bandwidth(
     numel = nbytes // 4
     src = torch.ones(numel, device=device, dtype=torch.float32)
     dst = torch.empty_like(src)
-    seconds = _best_seconds(lambda: dst.copy_(src), device, repeats=repeats, warmup=1)
+    seconds = _best_seconds(lambda: dst.copy_(src), device, repeats, warmup=1, min_seconds=min_seconds)
     return 2.0 * numel * 4 / seconds
 
 
