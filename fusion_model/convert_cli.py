@@ -25,7 +25,9 @@ def load_checkpoint_model(path: str | os.PathLike) -> FusionModel:
             f"convert: {path} is not a fusion checkpoint (expected 'state_dict' and hyper_parameters['config'])"
         )
     model = FusionModel(FusionConfig.from_dict(config))
-    state = {k[len("model."):]: v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
+    # a torch.compile'd model saves its weights under "_orig_mod."
+    state = {k[len("model."):].replace("_orig_mod.", ""): v for k, v in checkpoint["state_dict"].items()
+             if k.startswith("model.")}
     model.load_state_dict(state)
     return model
 
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             path = export_transformers(args.checkpoint, args.output, args.vocab, args.image_tokenizer)
     except (FileNotFoundError, ValueError, TypeError) as error:
-        print(f"convert: {error}", file=sys.stderr)
+        print(error if str(error).startswith("convert") else f"convert: {error}", file=sys.stderr)
         return 1
     print(f"convert: wrote {path}")
     return 0
