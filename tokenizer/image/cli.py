@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -74,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
                 kwargs["logger"] = [TensorBoardLogger(root, name="tb"), CSVLogger(root, name="csv")]
             return super().instantiate_trainer(**kwargs)
 
+    # `args` is how train.py passes the subcommand's arguments; the check that warns about it assumes sys.argv
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
     TokenizerCLI(
         ImageTokenizerModule,
         ImageDataModule,

@@ -1,0 +1,88 @@
+"""Training through Lightning: `train.py tokenizer fit` on the built-in photos writes logs, an image grid, a
+checkpoint and a bundle; `export` turns the checkpoint into the same bundle; the GAN and perceptual path steps."""
+
+import csv
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+
+from tokenizer.image import ImageTokenizer
+from tokenizer.image.cli import main
+from tokenizer.image.lightning import ImageDataModule, ImageTokenizerModule
+from tokenizer.image.losses import _VGG16_CONVS
+from tokenizer.image.train import fit_image_tokenizer
+
+
+def test_cli_fit_logs_metrics_and_grid_then_export_matches_the_bundle(tmp_path):
+    root = tmp_path / "run"
+    code = main(["fit", "--model.preset", "demo-64", "--data.image_size", "64", "--data.batch_size", "4",
+                 "--data.val_samples", "4", "--trainer.max_steps", "2", "--trainer.val_check_interval", "2",
+                 "--trainer.check_val_every_n_epoch", "null", "--trainer.enable_progress_bar", "false",
+                 "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(root)])
+    assert code == 0
+    bundle = root / "tb" / "version_0" / "tokenizer"
+    tokenizer = ImageTokenizer.from_pretrained(bundle)
+    assert tokenizer.config.image_size == 64 and tokenizer.grid_shape == (4, 4)
+    rows = list(csv.DictReader((root / "csv" / "version_0" / "metrics.csv").open()))
+    logged = {key for row in rows for key, value in row.items() if value}
+    assert {"val/psnr", "val/usage", "val/perplexity", "val/recon"} <= logged
+    assert list((root / "tb" / "version_0" / "images").glob("*.png"))
+    checkpoint = next((root / "tb" / "version_0" / "checkpoints").glob("*.ckpt"))
+    assert main(["export", "--ckpt", str(checkpoint), "--out", str(tmp_path / "exported")]) == 0
+    assert ImageTokenizer.from_pretrained(tmp_path / "exported").fingerprint() == tokenizer.fingerprint()
+
+
+def test_export_refuses_a_missing_checkpoint(tmp_path, capsys):
+    assert main(["export", "--ckpt", str(tmp_path / "none.ckpt"), "--out", str(tmp_path / "out")]) == 2
+    assert "none.ckpt" in capsys.readouterr().err
+
+
+def test_image_folder_skips_and_counts_bad_files(tmp_path):
+    for i in range(4):
+        Image.fromarray(np.full((40, 36, 3), 40 * i, np.uint8)).save(tmp_path / f"{i}.png")
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n broken")
+    data = ImageDataModule(source=str(tmp_path), image_size=32, batch_size=2, val_every=3)
+    data.setup("fit")
+    batches = list(data.train_dataloader()) + list(data.val_dataloader())
+    assert all(b.shape[1:] == (3, 32, 32) for b in batches)
+    assert list(data.skipped()) == [str(tmp_path / "broken.png")]
+    strict = ImageDataModule(source=str(tmp_path), image_size=32, batch_size=2, skip_bad_images=False, val_every=100)
+    strict.setup("fit")
+    with pytest.raises(ValueError, match="broken.png"):
+        list(strict.train_dataloader())
+
+
+def test_gan_and_perceptual_losses_train_the_discriminator_after_its_start_step(tmp_path):
+    state = {}
+    for index, cin, cout in _VGG16_CONVS:
+        state[f"features.{index}.weight"] = torch.randn(cout, cin, 3, 3) * (2 / (9 * cin)) ** 0.5
+        state[f"features.{index}.bias"] = torch.zeros(cout)
+    save_file(state, str(tmp_path / "vgg.safetensors"))
+    module = ImageTokenizerModule(
+        preset="demo-64", overrides={"base_channels": 8, "norm_groups": 8, "image_size": 32},
+        perceptual_weight=0.1, perceptual_weights=str(tmp_path / "vgg.safetensors"),
+        disc_weight=0.5, disc_start=1, disc_width=8, disc_layers=2,
+    )
+    before = [p.detach().clone() for p in module.discriminator.parameters()]
+    images = torch.rand(8, 3, 32, 32) * 2 - 1
+    loader = torch.utils.data.DataLoader(images, batch_size=4)
+    trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, accelerator="cpu", limit_val_batches=0)
+    trainer.fit(module, train_dataloaders=loader)
+    assert int(module.steps_done) == 2
+    assert {"train/perceptual", "train/g_loss", "train/d_loss", "train/disc_weight"} <= set(trainer.callback_metrics)
+    assert any(not torch.equal(a, b) for a, b in zip(before, module.discriminator.parameters()))
+    assert all(not k.startswith("_perceptual") for k in module.state_dict())  # frozen VGG stays out of checkpoints
+
+
+def test_fit_image_tokenizer_from_a_tensor_returns_an_eval_tokenizer():
+    images = torch.rand(8, 3, 64, 64) * 2 - 1
+    tokenizer, info = fit_image_tokenizer(images, preset="demo-64", batch_size=4, max_steps=2, progress=False,
+                                          val_images=images[:4])
+    assert info["steps"] == 2 and "val_usage" in info and not tokenizer.training
+    with pytest.raises(ValueError, match="64-px"):
+        fit_image_tokenizer(torch.rand(4, 3, 32, 32), preset="demo-64", max_steps=1)
