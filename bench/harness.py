@@ -131,7 +131,7 @@ def machine_info() -> dict:
     return info
 
 
-def results_dir(override: str | os.PathLike | None = None) -> Path:
+def resolve_results_dir(override: str | os.PathLike | None = None) -> Path:
     """Where results go: the argument, else env `BENCH_RESULTS_DIR`, else `bench/results/`."""
     chosen = override or os.environ.get(RESULTS_DIR_ENV) or RESULTS_DIR
     return Path(chosen)
@@ -141,7 +141,7 @@ def write_result(name: str, payload: dict, results_dir: str | os.PathLike | None
     """Write `<results dir>/<name>.json` atomically, with the machine description attached."""
     if not name or "/" in name or name.startswith("."):
         raise ValueError(f"benchmark name {name!r} must be a plain file stem such as 'decoder'")
-    directory = _resolve_dir(results_dir)
+    directory = resolve_results_dir(results_dir)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.json"
     body = {
@@ -154,10 +154,6 @@ def write_result(name: str, payload: dict, results_dir: str | os.PathLike | None
     tmp.write_text(json.dumps(body, indent=2, default=_jsonable) + "\n")
     os.replace(tmp, path)
     return path
-
-
-# `write_result`'s parameter shadows the function name inside it, so it resolves through this alias.
-_resolve_dir = results_dir
 
 
 def _jsonable(value: object) -> object:

@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.harness import COMPARE_SECONDS_ENV, RESULTS_DIR, RESULTS_DIR_ENV, results_dir, write_result
+from bench.harness import COMPARE_SECONDS_ENV, RESULTS_DIR, RESULTS_DIR_ENV, resolve_results_dir, write_result
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
         # smoke figures are meaningless as results; keep them away from bench/results
         out_dir = Path(tempfile.mkdtemp(prefix="bench-smoke-"))
     else:
-        out_dir = results_dir()
+        out_dir = resolve_results_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     markdown = args.markdown if args.markdown is not None else (None if args.smoke else MARKDOWN)
     if args.render_only:
