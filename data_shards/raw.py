@@ -162,6 +162,10 @@ class RawShardWriter:
         self.counts["images"] += len(images)
         self.counts["text_segments"] += len(json_segments) - len(images)
 
+    def has_key(self, key: str) -> bool:
+        """Whether a document with this key was already added."""
+        return key in self._keys
+
     def skip(self, key: str, reason: str) -> None:
         """Record a sample that was not ingested; under `strict` this raises instead."""
         if self.strict:

@@ -254,6 +254,8 @@ def write_raw(samples: Iterable[Sample], out_dir: str | Path, *, strict: bool = 
         for sample in samples:
             if sample.skip_reason is not None:
                 writer.skip(sample.key, sample.skip_reason)
+            elif writer.has_key(sample.key):  # two names that map to one key ("a b.png", "a_b.png")
+                writer.skip(sample.key, "duplicate key: another sample of the sources already has this key")
             else:
                 writer.add(sample.key, sample.segments)
     return writer.manifest

@@ -42,14 +42,20 @@ def test_image_folder_with_sidecar_captions(tmp_path):
     (folder / "nocaption.png").write_bytes(_png())
     (folder / "broken.png").write_bytes(_png()[:40])
     (folder / "broken.txt").write_text("truncated")
+    (folder / "c.a.png").write_bytes(_png())  # its key c_a collides with c_a.png's
+    (folder / "c.a.txt").write_text("first")
+    (folder / "c_a.png").write_bytes(_png())
+    (folder / "c_a.txt").write_text("second")
     manifest = sources.write_raw(sources.image_folder(folder), tmp_path / "raw")
     docs = _read_all(tmp_path / "raw")
     assert {k: _shape(v) for k, v in docs.items()} == {
         "cat": ["a green square", (16, 16)],
         "sub_dog": ["a jpeg", (20, 12)],
+        "c_a": ["first", (16, 16)],
     }
     skipped = {s["key"]: s["reason"] for s in manifest["skipped"]}
-    assert set(skipped) == {"broken", "nocaption"}
+    assert set(skipped) == {"broken", "nocaption", "c_a"}
+    assert "duplicate key" in skipped["c_a"]
     assert "broken.png" in skipped["broken"] and "nocaption.txt" in skipped["nocaption"]
 
 
