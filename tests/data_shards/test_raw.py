@@ -131,3 +131,16 @@ def test_unexpected_member_types_are_refused(tmp_path):
     _tar(path, {"k1.json": b'{"segments": [{"text": "a"}]}', "k1.sh": b"rm -rf /"})
     with pytest.raises(ShardError, match=r"shard s.tar, key 'k1'.*unexpected member type \.sh"):
         list(iter_raw_shard(path))
+
+
+def test_raw_shards_are_plain_webdataset_shards(tmp_path):
+    import webdataset as wds
+
+    with RawShardWriter(tmp_path) as writer:
+        writer.add("doc0", ["a caption", _image()])
+        writer.add("doc1", ["text only"])
+    # decoding only json and png by hand: webdataset's default decoders would unpickle .pyd members
+    samples = list(wds.WebDataset(str(tmp_path / "shard-000000.tar"), shardshuffle=False))
+    assert [s["__key__"] for s in samples] == ["doc0", "doc1"]
+    assert json.loads(samples[0]["json"]) == {"segments": [{"text": "a caption"}, {"image": 0}]}
+    assert Image.open(io.BytesIO(samples[0]["0.png"])).size == (12, 10)
