@@ -50,7 +50,12 @@ def check_startup(
                 f"{train_manifest['vocab_fingerprint']}, data.tokenizer has {vocab.fingerprint()}); re-run "
                 "`train.py shards tokenize` with this tokenizer, or point --data.tokenizer at the one used"
             )
-        if config.image_offset is not None and (config.image_offset, config.image_codes) != (vocab.image_offset, vocab.image_codes):
+        if config.image_offset is None:
+            raise StartupError(
+                f"model.config has no image block, so image targets would count as text; set --model.config.image_offset "
+                f"{vocab.image_offset} --model.config.image_codes {vocab.image_codes} (the tokenizer's)"
+            )
+        if (config.image_offset, config.image_codes) != (vocab.image_offset, vocab.image_codes):
             raise StartupError(
                 f"model.config image block (offset {config.image_offset}, {config.image_codes} codes) differs from the "
                 f"tokenizer's (offset {vocab.image_offset}, {vocab.image_codes} codes); set --model.config.image_offset "

@@ -76,7 +76,9 @@ def test_shards_from_another_vocabulary_or_image_tokenizer(tmp_path, capsys):
     image_tokenizer.save_pretrained(image_dir)
     other = fw.make_token_dir(tmp_path / "other", vocab_size=512)  # fingerprints of some other tokenizers
     same_vocab = fw.make_token_dir(tmp_path / "same", vocab_size=512, vocab_fingerprint=vocab.fingerprint())
-    model = ["--model.config.vocab_size=512"]
+    err = _fit_error(fw.tiny_args(same_vocab, tmp_path, 2, extra=["--model.config.vocab_size=512", f"--data.tokenizer={vocab_path}"]), capsys)
+    assert f"--model.config.image_offset {vocab.image_offset} --model.config.image_codes 64" in err
+    model = ["--model.config.vocab_size=512", f"--model.config.image_offset={vocab.image_offset}", "--model.config.image_codes=64"]
     err = _fit_error(fw.tiny_args(other, tmp_path, 2, extra=[*model, f"--data.tokenizer={vocab_path}"]), capsys)
     assert "another vocabulary" in err and vocab.fingerprint() in err and "vocab-test" in err
     err = _fit_error(fw.tiny_args(same_vocab, tmp_path, 2, extra=[*model, f"--data.tokenizer={vocab_path}",
@@ -153,7 +155,8 @@ def test_sample_writer_writes_samples_at_its_interval(tmp_path):
     writer = {"class_path": "fusion_model.callbacks.SampleWriter",
               "init_args": {"tokenizer": str(tmp_path / "tokenizer.json"), "prompts": ["a gray", ""], "every_n_steps": 2,
                             "max_new_tokens": 6}}
-    args = fw.tiny_args(tokens, tmp_path, 3, extra=["--model.config.vocab_size=512", f"--data.tokenizer={tmp_path / 'tokenizer.json'}",
+    args = fw.tiny_args(tokens, tmp_path, 3, extra=["--model.config.vocab_size=512", f"--model.config.image_offset={vocab.image_offset}",
+                                                    "--model.config.image_codes=64", f"--data.tokenizer={tmp_path / 'tokenizer.json'}",
                                                     f"--trainer.callbacks={json.dumps([writer])}", "--trainer.enable_checkpointing=false"])
     assert main(args) == 0
     written = sorted(p.parent.name for p in tmp_path.rglob("samples/*/samples.json"))
