@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -166,12 +167,12 @@ def run(args: argparse.Namespace) -> dict[str, Path]:
         image_tokenizer = ImageTokenizer.from_pretrained(args.image_tokenizer, map_location=args.device)
     samples, ids = [], []
     for k, start in enumerate(range(0, len(prompts), args.batch_size)):
-        batch_config = SamplingConfig(**{**config.__dict__, "seed": config.seed + k})
+        batch_config = replace(config, seed=config.seed + k)
         out, new_ids = generate(model, vocab, image_tokenizer, prompts[start : start + args.batch_size], batch_config,
                                 return_ids=True)
         samples += out
         ids += new_ids
-    settings = {k: v for k, v in config.__dict__.items()} | {"checkpoint": str(args.checkpoint)}
+    settings = asdict(config) | {"checkpoint": str(args.checkpoint)}
     return write_samples(args.out, samples, prompts=prompts, ids=ids, settings=settings, title="train.py generate")
 
 

@@ -4,7 +4,7 @@ per-modality temperature / top-k / top-p, a text repetition penalty, and classif
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -502,7 +502,7 @@ def generate(
                 f"the image tokenizer has {codebook} codes but the vocabulary has {vocab.image_codes} image ids: "
                 "pass the image tokenizer the vocabulary was built for"
             )
-        config = SamplingConfig(**{**config.__dict__, "image_grid": grid})
+        config = replace(config, image_grid=grid)
     elif config.mode != "text":
         raise ValueError(f"mode {config.mode!r} can produce images: give an image tokenizer to decode them (or use mode 'text')")
     ids = [encode_prompt(p, vocab, image_tokenizer) for p in prompts]

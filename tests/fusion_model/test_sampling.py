@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -77,7 +78,7 @@ def test_cached_greedy_equals_recomputation_token_for_token(vocab, mode):
     steer(model, vocab, 3.0, torch.Generator().manual_seed(1))  # so interleaved output contains images
     config = greedy(mode=mode, image_grid=(2, 2), max_new_tokens=None if mode == "image" else 40, cfg_scale=2.0)
     cached = generate_ids(model, vocab, prompts_of(vocab), config)
-    recomputed = generate_ids(model, vocab, prompts_of(vocab), SamplingConfig(**{**config.__dict__, "use_kv_cache": False}))
+    recomputed = generate_ids(model, vocab, prompts_of(vocab), replace(config, use_kv_cache=False))
     assert cached == recomputed
     assert all(len(row) > 0 for row in cached)
 
@@ -95,7 +96,7 @@ def test_the_same_seed_gives_the_same_samples_and_another_seed_others(vocab):
     config = SamplingConfig(mode="interleaved", image_grid=(2, 2), max_new_tokens=30, seed=7)
     first = generate_ids(model, vocab, prompts_of(vocab), config)
     again = generate_ids(model, vocab, prompts_of(vocab), config)
-    other = generate_ids(model, vocab, prompts_of(vocab), SamplingConfig(**{**config.__dict__, "seed": 8}))
+    other = generate_ids(model, vocab, prompts_of(vocab), replace(config, seed=8))
     assert first == again
     assert first != other
 
@@ -207,8 +208,8 @@ def test_guidance_scale_one_equals_plain_conditional_sampling(vocab):
     unconditional = [[vocab.bos_id]] * 3
     guided = generate_ids(model, vocab, prompts_of(vocab), plain, uncond_prompts=unconditional)
     assert guided == generate_ids(model, vocab, prompts_of(vocab), plain)
-    image = SamplingConfig(**{**plain.__dict__, "mode": "image"})
-    strong = SamplingConfig(**{**image.__dict__, "cfg_scale": 5.0})
+    image = replace(plain, mode="image")
+    strong = replace(image, cfg_scale=5.0)
     # the unconditional stream really is in the batch: another scale changes the images
     assert generate_ids(model, vocab, prompts_of(vocab), strong) != generate_ids(model, vocab, prompts_of(vocab), image)
 
@@ -226,10 +227,10 @@ def test_three_stream_mix_reduces_to_two_stream_when_both_scales_are_equal():
 def test_three_stream_sampling_equals_two_stream_sampling_when_scales_make_it_so(vocab):
     model = steer(tiny_model(vocab), vocab, 3.0, torch.Generator().manual_seed(4))
     base = greedy(mode="image", image_grid=(3, 3))
-    two = generate_ids(model, vocab, prompts_of(vocab), SamplingConfig(**{**base.__dict__, "cfg_scale": 2.0}))
+    two = generate_ids(model, vocab, prompts_of(vocab), replace(base, cfg_scale=2.0))
     three = generate_ids(
         model, vocab, prompts_of(vocab),
-        SamplingConfig(**{**base.__dict__, "cfg_image_scale": 2.0, "cfg_text_scale": 2.0}),
+        replace(base, cfg_image_scale=2.0, cfg_text_scale=2.0),
     )
     assert two == three
 
