@@ -65,12 +65,14 @@ def test_two_nodes_train_to_the_weights_of_one_process_and_read_every_document_o
     tokens, steps, reference = single
     port = str(_free_port())
     children = []
+    checkpoint = {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",  # one save, at the end
+                  "init_args": {"dirpath": str(tmp_path / "ckpt"), "every_n_train_steps": steps, "save_top_k": 1}}
     for node in (0, 1):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "NODE_RANK": str(node), "FIT_THREADS": "1"}
         for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "SLURM_JOB_ID"):  # a clean two-node launch
             env.pop(key, None)
         args = fw.tiny_args(tokens, tmp_path / f"node{node}", steps, batch_size=2, extra=[
-            "--trainer.callbacks=[]", "--trainer.enable_checkpointing=false", fw.recorder_arg(tmp_path / "rec"),
+            f"--trainer.callbacks=[{json.dumps(checkpoint)}]", fw.recorder_arg(tmp_path / "rec"),
             f"--trainer.strategy={STRATEGIES[strategy]}", "--trainer.num_nodes=2", "--trainer.devices=1",
         ])
         children.append(subprocess.Popen([sys.executable, str(fw.HERE / "fit_worker.py"), *args], cwd=fw.REPO, env=env,
@@ -86,3 +88,9 @@ def test_two_nodes_train_to_the_weights_of_one_process_and_read_every_document_o
     seen = _pieces(ranks[0]["batches"] + ranks[1]["batches"], ranks[0]["document_ids"] + ranks[1]["document_ids"])
     assert seen == _pieces(reference["batches"], reference["document_ids"])  # the same global batches
     assert seen == _dataset_pieces(tokens, 32)  # every document (piece) exactly once in the epoch
+
+    # one checkpoint file with the full weights, both ranks' RNG states, loadable with weights_only=True
+    saved = torch.load(tmp_path / "ckpt" / f"epoch=0-step={steps}.ckpt", weights_only=True)
+    assert saved["rng_states"]["torch"].shape[0] == 2 and saved["global_step"] == steps
+    for name, value in ranks[0]["weights"].items():
+        assert torch.equal(saved["state_dict"][f"model.{name}"], value), name
