@@ -11,6 +11,7 @@ import copy
 import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -90,6 +91,15 @@ def is_fresh(out_dir: Path, config: dict, stage: str) -> bool:
     return marker is not None and marker.get("key") == stage_key(config, stage)
 
 
+def prepare_folder(folder: Path, key: str, fresh: bool = False) -> None:
+    """Keep a stage's partial outputs only when they were made with the same configuration (so it resumes)."""
+    key_file = folder / "config_key.txt"
+    if folder.exists() and (fresh or not key_file.is_file() or key_file.read_text() != key):
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    key_file.write_text(key)
+
+
 def run(config: dict, stages: list[str] | None = None, force: tuple[str, ...] = (), progress: bool = True,
         log: Callable[[str], None] = print) -> dict[str, dict]:
     """Run the requested stages in order (all by default), reusing fresh ones; return every stage's record."""
@@ -117,6 +127,7 @@ def run(config: dict, stages: list[str] | None = None, force: tuple[str, ...] = 
             log(f"[{number}/{len(STAGES)}] {stage}: reusing finished stage ({records[stage]['seconds']:.0f} s)")
             continue
         log(f"[{number}/{len(STAGES)}] {stage}: running")
+        prepare_folder(out_dir / stage, stage_key(config, stage), fresh=stage in force)
         start = time.perf_counter()
         result = getattr(impl, f"run_{stage}")(config, out_dir, progress=progress)
         record = {"stage": stage, "key": stage_key(config, stage), "seconds": time.perf_counter() - start,

@@ -82,7 +82,7 @@ def run_tokenizer(config: dict, out_dir: Path, progress: bool = True) -> dict:
     image_tokenizer, info = fit_image_tokenizer(
         to_model_images(digits.train_images, size), preset=settings["preset"], batch_size=settings["batch_size"],
         max_steps=settings["max_steps"], max_minutes=settings["max_minutes"], seed=config["seed"],
-        progress=progress, log_dir=out_dir / "tokenizer" / "logs",
+        progress=progress, log_dir=out_dir / "tokenizer" / "logs", overrides=settings.get("overrides") or None,
     )
     minutes = (time.perf_counter() - start) / 60
     image_tokenizer.save_pretrained(out_dir / "tokenizer" / "model")
@@ -108,7 +108,8 @@ def run_vocab(config: dict, out_dir: Path, progress: bool = True) -> dict:
     from tokenizer.vocab import train_unified_vocab
 
     settings = config["vocab"]
-    codes = ImageTokenizerConfig.from_preset(config["tokenizer"]["preset"]).codebook_size
+    image_settings = config["tokenizer"]
+    codes = ImageTokenizerConfig.from_preset(image_settings["preset"], **(image_settings.get("overrides") or {})).codebook_size
     english = english_lines(settings["english_lines"])
     # The captions are repeated to about a third of the characters, so that their words become single
     # tokens even in a small vocabulary (short sequences train faster and caption in fewer steps).
@@ -134,22 +135,16 @@ def run_shards(config: dict, out_dir: Path, progress: bool = True) -> dict:
     """Write captioned digits and arithmetic documents as raw shards, then pre-tokenize them."""
     from data_shards.pretokenize import pretokenize
     from data_shards.raw import RawShardWriter
-    from fusion_model.demo.pipeline import stage_key
 
     data, settings = config["data"], config["shards"]
     digits = digits_for(config)
     rng = np.random.default_rng(config["seed"])
     images = _pil(to_model_images(digits.train_images, data["image_size"]))  # 64-px PNGs: preprocessing is a no-op
     raw_dir, token_dir = out_dir / "shards" / "raw", out_dir / "shards" / "tokens"
-    # Raw shards are cheap and deterministic: always rewritten. Token shards of an interrupted run with the
-    # same configuration are kept, so pre-tokenizing resumes where it stopped; otherwise they are discarded.
-    key_file = out_dir / "shards" / "config_key.txt"
-    same_config = key_file.is_file() and key_file.read_text() == stage_key(config, "shards")
-    for folder in (raw_dir,) if same_config else (raw_dir, token_dir):
-        if folder.exists():
-            shutil.rmtree(folder)
-    key_file.parent.mkdir(parents=True, exist_ok=True)
-    key_file.write_text(stage_key(config, "shards"))
+    # Raw shards are cheap and deterministic: always rewritten. Token shards left by an interrupted run of the
+    # same configuration are kept (the pipeline clears the folder otherwise), so pre-tokenizing resumes.
+    if raw_dir.exists():
+        shutil.rmtree(raw_dir)
     pairs = arithmetic_pairs(rng, data["arithmetic_documents"])
     with RawShardWriter(raw_dir, shard_max_docs=settings["samples_per_shard"], prefix="demo") as writer:
         for i, label in enumerate(digits.train_labels):

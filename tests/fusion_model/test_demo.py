@@ -76,13 +76,26 @@ def test_rerun_reuses_every_finished_stage(demo):
     assert again["generate"]["generation_accuracy"] == records["generate"]["generation_accuracy"]
 
 
-def test_changed_setting_reruns_that_stage_and_those_after_it(demo):
-    config, _, _ = demo
+def test_changed_setting_reruns_that_stage_and_those_after_it():
+    config = pipeline.load_config("smoke")
     changed = json.loads(json.dumps(config))
     changed["generate"]["cfg_scale"] = 1.0
     keys = {stage: pipeline.stage_key(config, stage) for stage in pipeline.STAGES}
     new_keys = {stage: pipeline.stage_key(changed, stage) for stage in pipeline.STAGES}
     assert [s for s in pipeline.STAGES if keys[s] != new_keys[s]] == ["generate", "report"]
+
+
+def test_partial_outputs_survive_only_under_the_same_configuration(tmp_path):
+    folder = tmp_path / "train"
+    pipeline.prepare_folder(folder, "key-a")
+    (folder / "last.ckpt").write_text("partial")
+    pipeline.prepare_folder(folder, "key-a")
+    assert (folder / "last.ckpt").exists()  # an interrupted stage resumes from what it left
+    pipeline.prepare_folder(folder, "key-b")
+    assert not (folder / "last.ckpt").exists()  # another configuration starts over
+    (folder / "last.ckpt").write_text("partial")
+    pipeline.prepare_folder(folder, "key-b", fresh=True)  # --force
+    assert not (folder / "last.ckpt").exists()
 
 
 def test_a_stage_alone_needs_its_upstream_stages(tmp_path):
