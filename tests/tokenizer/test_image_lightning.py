@@ -2,19 +2,23 @@
 checkpoint and a bundle; `export` turns the checkpoint into the same bundle; the GAN and perceptual path steps."""
 
 import csv
+from pathlib import Path
 
 import lightning as L
 import numpy as np
 import pytest
 import torch
+import yaml
 from PIL import Image
 from safetensors.torch import save_file
 
-from tokenizer.image import ImageTokenizer
+from tokenizer.image import ImageTokenizer, ImageTokenizerConfig
 from tokenizer.image.cli import main
 from tokenizer.image.lightning import ImageDataModule, ImageTokenizerModule
 from tokenizer.image.losses import _VGG16_CONVS
 from tokenizer.image.train import fit_image_tokenizer
+
+CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "tokenizer"
 
 
 def test_cli_fit_logs_metrics_and_grid_then_export_matches_the_bundle(tmp_path):
@@ -86,3 +90,11 @@ def test_fit_image_tokenizer_from_a_tensor_returns_an_eval_tokenizer():
     assert info["steps"] == 2 and "val_usage" in info and not tokenizer.training
     with pytest.raises(ValueError, match="64-px"):
         fit_image_tokenizer(torch.rand(4, 3, 32, 32), preset="demo-64", max_steps=1)
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_tokenizer_config_names_a_preset_whose_size_matches_its_data(path):
+    config = yaml.safe_load(path.read_text())
+    model = config["model"]
+    tokenizer_config = ImageTokenizerConfig.from_preset(model["preset"], **(model.get("overrides") or {}))
+    assert tokenizer_config.image_size == config["data"]["image_size"]
