@@ -48,8 +48,9 @@ def steer(model: FusionModel, vocab, strength: float, generator: torch.Generator
     with torch.no_grad():
         head.weight.copy_(model.head.weight)
         head.bias.copy_(torch.randn(model.config.vocab_size, generator=generator))
-        for token in (vocab.boi_id, vocab.eoi_id, vocab.eos_id, vocab.pad_id, vocab.sep_id):
+        for token in (vocab.boi_id, vocab.eoi_id, vocab.pad_id, vocab.sep_id):
             head.bias[token] += strength
+        head.bias[vocab.eos_id] += strength / 3  # weaker, or </s> would end most samples before any image
         head.bias[vocab.image_offset : vocab.image_offset + vocab.image_codes] += strength / 2
     model.head = head
     return model
@@ -75,12 +76,14 @@ def prompts_of(vocab) -> list[list[int]]:
 @pytest.mark.parametrize("mode", ["text", "image", "interleaved"])
 def test_cached_greedy_equals_recomputation_token_for_token(vocab, mode):
     model = tiny_model(vocab)
-    steer(model, vocab, 3.0, torch.Generator().manual_seed(1))  # so interleaved output contains images
+    steer(model, vocab, 4.25, torch.Generator().manual_seed(1))  # so interleaved output mixes text and images
     config = greedy(mode=mode, image_grid=(2, 2), max_new_tokens=None if mode == "image" else 40, cfg_scale=2.0)
     cached = generate_ids(model, vocab, prompts_of(vocab), config)
     recomputed = generate_ids(model, vocab, prompts_of(vocab), replace(config, use_kv_cache=False))
     assert cached == recomputed
     assert all(len(row) > 0 for row in cached)
+    if mode == "interleaved":
+        assert all(vocab.boi_id in row and bool(vocab.is_text(torch.tensor(row)).any()) for row in cached)
 
 
 def test_a_prompt_gives_the_same_greedy_output_alone_and_in_a_batch(vocab):
@@ -151,7 +154,7 @@ def check_rules(prompt: list[int], new: list[int], vocab, grid, mode: str, conte
         assert images == 1 and new[-1] == vocab.eoi_id
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     seed=st.integers(0, 2**16),
     mode=st.sampled_from(["text", "image", "interleaved"]),
@@ -159,7 +162,7 @@ def check_rules(prompt: list[int], new: list[int], vocab, grid, mode: str, conte
     context=st.integers(16, 48),
     strength=st.floats(0.0, 12.0),
     prompt_text=st.lists(st.integers(0, 200), min_size=0, max_size=8),
-    open_image=st.integers(-1, 2),  # -1: none; k: the prompt ends inside an image after k codes
+    open_image=st.sampled_from([-1, -1, -1, 0, 1, 2]),  # -1: none; k: the prompt ends inside an image after k codes
     max_new=st.one_of(st.none(), st.integers(1, 30)),
     temperature=st.sampled_from([0.0, 0.7, 1.0, 2.0]),
     top_k=st.sampled_from([0, 1, 5]),
