@@ -66,6 +66,7 @@ class FusionLightningModule(L.LightningModule):
         self.model = FusionModel(config)
         self.skipped_steps = 0
         self._bad_in_window = False
+        self._batch_idx = -1
         self._rng_to_restore: dict[str, torch.Tensor] | None = None
         self._sharded = False
 
@@ -111,6 +112,7 @@ class FusionLightningModule(L.LightningModule):
         if self._rng_to_restore is not None:  # first batch after a resume: continue the saved RNG streams
             set_rng_state(self._rng_to_restore)
             self._rng_to_restore = None
+        self._batch_idx = batch_idx
         out = self._losses(batch)
         loss = out["loss"]
         weight = self._weight(out)
@@ -158,7 +160,7 @@ class FusionLightningModule(L.LightningModule):
         if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         if not torch.isfinite(norm) and not self._bad_in_window:
-            self._nonfinite(f"gradient norm {norm.item()}", -1)
+            self._nonfinite(f"gradient norm {norm.item()}", self._batch_idx)
             self._bad_in_window = True
         if self._bad_in_window:  # skip policy: no update at all (AdamW leaves params without grads untouched)
             self._bad_in_window = False

@@ -112,6 +112,22 @@ def test_nonfinite_loss_stops_naming_step_and_batch_and_keeps_the_last_good_chec
     assert all(torch.isfinite(v).all() for v in last["state_dict"].values())
 
 
+def test_nonfinite_gradient_norm_stops_too(tokens, tmp_path, capsys, monkeypatch):
+    clip = torch.nn.utils.clip_grad_norm_
+    calls = []
+
+    def clip_with_inf_at_step_2(params, max_norm, *args, **kwargs):
+        calls.append(1)
+        norm = clip(params, max_norm, *args, **kwargs)
+        return norm * float("inf") if len(calls) == 3 else norm
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", clip_with_inf_at_step_2)
+    assert main(fw.tiny_args(tokens, tmp_path, 5)) == 1
+    err = capsys.readouterr().err
+    assert "non-finite gradient norm inf at optimizer step 2, batch 2 of epoch 0" in err
+    assert torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)["global_step"] == 2
+
+
 def test_nonfinite_loss_skip_policy_drops_the_update_and_counts_it(tokens, tmp_path, monkeypatch):
     _nan_at_step(monkeypatch, 3)
     assert main(fw.tiny_args(tokens, tmp_path, 5, extra=["--model.nonfinite=skip"])) == 0
