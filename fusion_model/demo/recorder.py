@@ -17,11 +17,21 @@ class LossRecorder(L.Callback):
         super().__init__()
         self.path, self.log_every = Path(path), log_every
         self.rows: dict[str, list] = {"step": [], "text": [], "image": [], "tokens": [], "seconds": []}
-        self.tokens, self.start = 0, time.perf_counter()
+        self.tokens, self.start, self._resumed_seconds = 0, time.perf_counter(), 0.0
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """Start the clock when training (not setup) starts."""
-        self.start = time.perf_counter()
+        """Start the clock when training (not setup) starts; a resumed run continues its earlier time."""
+        self.start = time.perf_counter() - self._resumed_seconds
+
+    # Saved in Lightning checkpoints, so a resumed run continues its curves instead of starting them over.
+    def state_dict(self) -> dict:
+        """The curves so far (plain lists and numbers)."""
+        return {"rows": self.rows, "tokens": self.tokens, "seconds": time.perf_counter() - self.start}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Continue the curves of the checkpointed run."""
+        self.rows, self.tokens = state_dict["rows"], int(state_dict["tokens"])
+        self._resumed_seconds = float(state_dict["seconds"])
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
         """Count the batch's real tokens (padding excluded) and sample the logged losses."""

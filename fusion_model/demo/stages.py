@@ -271,6 +271,8 @@ def run_train(config: dict, out_dir: Path, progress: bool = True) -> dict:
     module = cli.model
     torch.save(module.model.state_dict(), folder / "model.pt")
     (folder / "model_config.json").write_text(json.dumps(module.model_config.to_dict(), indent=2))
+    if not (folder / "losses.json").is_file():  # fit returned without training (e.g. a finished checkpoint)
+        raise RuntimeError(f"training in {folder} ended without recording losses; rerun with --force train")
     final = json.loads((folder / "losses.json").read_text())["final"]
     minutes = final["seconds"] / 60
     return {"steps": int(final["steps"]), "tokens": int(final["tokens"]), "minutes": minutes,
