@@ -113,6 +113,10 @@ def truncate_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     use_p = bool((top_p < 1.0).any())
     if not use_k and not use_p:
         return logits
+    if not use_p:  # top-k alone: a partial top-k is much cheaper than sorting the whole vocabulary
+        k = top_k.clamp(min=1, max=logits.shape[-1])
+        kth = logits.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None])
+        return logits.masked_fill((top_k[:, None] > 0) & (logits < kth), neg_inf)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(logits.shape[-1], device=logits.device)
     remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
@@ -134,7 +138,9 @@ def choose_tokens(logits: torch.Tensor, temperature: torch.Tensor, generator: to
         return greedy
     scaled = logits / temperature.clamp_min(1e-6)[:, None]
     probs = scaled.softmax(dim=-1)
-    sampled = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    # argmax of p / Exponential(1) is a draw from p (the exponential race); cheaper than torch.multinomial
+    race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(1e-20)  # never 0/0
+    sampled = (probs / race).argmax(dim=-1)
     return torch.where(temperature == 0, greedy, sampled)
 
 
