@@ -111,3 +111,26 @@ def test_xformers_agrees_with_sdpa_on_cuda():
     expected = A.sdpa_attention(q, k, v, A.build_mask(docs, docs, index, index))
     got = A.xformers_attention(q, k, v, docs)
     torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.skipif(_flex_runs() is not None, reason=str(_flex_runs()))
+def test_flex_bidirectional_image_mask_agrees_with_sdpa():
+    ids = torch.tensor([[1, 100, 101, 102, 2, 103, 104, 3, 4, 5], [100, 101, 1, 2, 3, 4, 5, 6, 100, 7]])
+    runs = A.image_runs(ids, 100, 10)
+    q, k, v = _qkv()
+    index = torch.arange(10)
+    expected = A.sdpa_attention(q, k, v, A.build_mask(DOCS, DOCS, index, index, runs, runs))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = A.flex_attention(q, k, v, A.flex_block_mask(DOCS, DOCS, 0, runs, runs))
+    torch.testing.assert_close(got, expected)
+
+
+def test_bidirectional_prompt_image_prefilled_in_the_cache_equals_full_forward():
+    config = FusionConfig.from_preset("tiny", image_offset=100, image_codes=64, image_bidirectional=True)
+    model = FusionModel(config).eval()
+    prompt = torch.tensor([[1, 2, 100, 101, 102, 103, 3]])
+    with torch.no_grad():
+        full = model(prompt)
+        cache = model.new_kv_cache(1, 16)
+        torch.testing.assert_close(model(prompt, kv_cache=cache), full)
