@@ -54,6 +54,8 @@ class FusionConfig:
             )
         if (self.image_offset is None) != (self.image_codes is None):
             raise ValueError("FusionConfig: set both image_offset and image_codes, or neither")
+        if self.image_bidirectional and self.image_offset is None:
+            raise ValueError("FusionConfig: image_bidirectional=True needs image_offset and image_codes")
         if self.image_offset is not None and self.image_offset + self.image_codes > self.vocab_size:
             raise ValueError(
                 f"FusionConfig: image block [{self.image_offset}, {self.image_offset + self.image_codes}) "

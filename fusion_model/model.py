@@ -219,8 +219,6 @@ class FusionModel(nn.Module):
     def _image_runs(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         if not self.config.image_bidirectional:
             return None
-        if self.config.image_offset is None:
-            raise ValueError("image_bidirectional=True needs image_offset and image_codes in FusionConfig")
         return attn_lib.image_runs(input_ids, self.config.image_offset, self.config.image_codes)
 
     def _context(self, input_ids, document_ids, position_ids, kv_cache):

@@ -53,6 +53,8 @@ def test_config_rejects_bad_values_with_names():
         FusionConfig.from_preset("tiny", norm_placement="post")
     with pytest.raises(ValueError, match="n_kv_heads"):
         FusionConfig.from_preset("tiny", n_kv_heads=3)
+    with pytest.raises(ValueError, match="image_bidirectional"):
+        FusionConfig.from_preset("tiny", image_bidirectional=True)
     with pytest.raises(ValueError, match="unknown preset"):
         FusionConfig.from_preset("huge")
     with pytest.raises(ValueError, match="unknown fields"):
