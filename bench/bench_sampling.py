@@ -57,9 +57,9 @@ def run(smoke: bool = False) -> dict:
     weight_bytes = _weight_bytes(ours)
     step_bound_s = weight_bytes / bandwidth
     text_ids = torch.nonzero(vocab.is_text(torch.arange(vocab.vocab_size))).flatten()
-    # the same rule for transformers: text mode allows text ids and </s> only
+    # the same rule for transformers: text mode allows text ids, <sep> and </s> only
     allowed = vocab.is_text(torch.arange(vocab.vocab_size))
-    allowed[vocab.eos_id] = True
+    allowed[[vocab.eos_id, vocab.sep_id]] = True
     suppress = torch.nonzero(~allowed).flatten().tolist()
     n_text, grid = size["text_tokens"], size["grid"]
     n_image = grid[0] * grid[1] + 2  # <boi>, codes, <eoi>

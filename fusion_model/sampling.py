@@ -276,6 +276,9 @@ def generate_ids(
     is_image = vocab.is_image(all_ids).to(device)
     text_ok = vocab.is_text(all_ids).to(device) & ~is_image
     text_ok[vocab.eos_id] = True
+    sep = getattr(vocab, "sep_id", None)
+    if sep is not None:  # the separator / end-of-turn is text-mode punctuation for chat-style documents
+        text_ok[sep] = True
     boi_only, eoi_only = all_ids == vocab.boi_id, all_ids == vocab.eoi_id
     seen = torch.zeros(n_prompts, vocab_size, dtype=torch.bool, device=device)
     if config.repetition_penalty != 1.0:

@@ -49,7 +49,7 @@ def steer(model: FusionModel, vocab, strength: float, generator: torch.Generator
     with torch.no_grad():
         head.weight.copy_(model.head.weight)
         head.bias.copy_(torch.randn(model.config.vocab_size, generator=generator))
-        for token in (vocab.boi_id, vocab.eoi_id, vocab.pad_id, vocab.sep_id):
+        for token in (vocab.boi_id, vocab.eoi_id, vocab.pad_id, vocab.image_placeholder_id):
             head.bias[token] += strength
         head.bias[vocab.eos_id] += strength / 3  # weaker, or </s> would end most samples before any image
         head.bias[vocab.image_offset : vocab.image_offset + vocab.image_codes] += strength / 2
@@ -149,7 +149,7 @@ def check_rules(prompt: list[int], new: list[int], vocab, grid, mode: str, conte
             inside, codes = True, 0
         else:
             assert mode != "image", f"step {i}: {t} in image mode outside an image"
-            assert t == vocab.eos_id or bool(vocab.is_text(torch.tensor(t))), f"step {i}: id {t} in text mode"
+            assert t in (vocab.eos_id, vocab.sep_id) or bool(vocab.is_text(torch.tensor(t))), f"step {i}: id {t} in text mode"
     assert not inside, "an image was left unfinished"
     if mode == "image":
         assert images == 1 and new[-1] == vocab.eoi_id
