@@ -316,8 +316,8 @@ def generate_ids(
                 cond = apply_repetition_penalty(cond, seen & ~in_image[:, None], config.repetition_penalty)
 
             # modality rules (Chameleon's release)
-            left = context - lengths[:n_prompts] - n_new  # positions still free in each prompt's row
-            fits = (left >= n_codes + 2) & (budget - n_new >= n_codes + 2)
+            # a whole image (<boi>, codes, <eoi>) must fit in every stream's row and in max_new_tokens
+            fits = (room - n_new >= n_codes + 2) & (budget - n_new >= n_codes + 2)
             if config.mode == "text":
                 allowed = text_ok.expand(n_prompts, -1)
             elif config.mode == "image":
