@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from fusion_model.checkpointing import atomic_torch_save
 from fusion_model.demo.datasets import (
     EQUALS,
     PLUS,
@@ -21,6 +23,7 @@ from fusion_model.demo.datasets import (
     pick_by_label,
     to_model_images,
 )
+from fusion_model.demo.pipeline import write_json
 from fusion_model.demo.report import to_uint8
 
 
@@ -181,7 +184,7 @@ def run_generate(config: dict, out_dir: Path, progress: bool = True) -> dict:
     start = time.perf_counter()
     classifier = train_classifier(to_model_images(digits.train_images, size), digits.train_labels, seed=seed,
                                   epochs=int(settings["classifier_epochs"]), progress=progress)
-    torch.save(classifier.state_dict(), folder / "classifier.pt")
+    atomic_torch_save(classifier.state_dict(), folder / "classifier.pt")
     classifier_seconds = time.perf_counter() - start
     image_tokenizer, vocab, model = load_image_tokenizer(out_dir), load_vocab(out_dir), load_model(out_dir)
     test_images = to_model_images(digits.test_images, size)
@@ -197,7 +200,7 @@ def run_generate(config: dict, out_dir: Path, progress: bool = True) -> dict:
         inter = evaluate.interleaved(model, vocab, image_tokenizer, classifier, test_codes, digits.test_labels,
                                      settings, seed=seed, bar=bar)
     # Everything the report shows, as tensors / lists (loads with weights_only=True).
-    torch.save({
+    atomic_torch_save({
         "understanding_texts": under["texts"], "understanding_labels": torch.as_tensor(digits.test_labels[:n_under]),
         "generation_targets": torch.as_tensor(gen["targets"]), "generation_codes": gen["codes"],
         "generation_predicted": torch.as_tensor(gen["predicted"]),
@@ -264,13 +267,15 @@ def run_train(config: dict, out_dir: Path, progress: bool = True) -> dict:
     folder = out_dir / "train"
     folder.mkdir(parents=True, exist_ok=True)
     fit_yaml = folder / "fit.yaml"
-    fit_yaml.write_text(yaml.safe_dump(fit_config(config, out_dir, load_vocab(out_dir), progress), sort_keys=False))
+    tmp = fit_yaml.with_name(fit_yaml.name + ".tmp")
+    tmp.write_text(yaml.safe_dump(fit_config(config, out_dir, load_vocab(out_dir), progress), sort_keys=False))
+    os.replace(tmp, fit_yaml)
     last = folder / "checkpoints" / "last.ckpt"
     overrides = [f"--ckpt_path={last}"] if last.is_file() else []
     cli = fit_from_config(fit_yaml, overrides)
     module = cli.model
-    torch.save(module.model.state_dict(), folder / "model.pt")
-    (folder / "model_config.json").write_text(json.dumps(module.model_config.to_dict(), indent=2))
+    atomic_torch_save(module.model.state_dict(), folder / "model.pt")
+    write_json(folder / "model_config.json", module.model_config.to_dict())
     if not (folder / "losses.json").is_file():  # fit returned without training (e.g. a finished checkpoint)
         raise RuntimeError(f"training in {folder} ended without recording losses; rerun with --force train")
     final = json.loads((folder / "losses.json").read_text())["final"]
