@@ -60,7 +60,10 @@ def load_config(preset: str = "full", path: str | Path | None = None, overrides:
         if leaf not in node:
             raise KeyError(f"--set {item!r}: unknown key {leaf!r}; known: {sorted(node)}")
         node[leaf] = yaml.safe_load(raw)
-    config["_source"] = str(file)
+    try:  # shown in the report's rerun commands: relative to the working directory where possible
+        config["_source"] = str(file.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        config["_source"] = str(file.resolve())
     return config
 
 

@@ -215,6 +215,12 @@ def interleaved_section(a_images: torch.Tensor, b_images: torch.Tensor, answers:
 
 def timings_section(records: dict[str, dict], config: dict) -> str:
     """Seconds per stage, and the whole configuration."""
-    rows = [(name, float(rec["seconds"]), rec.get("finished_at", "")) for name, rec in records.items()]
-    rows.append(("total", float(sum(r[1] for r in rows)), ""))
-    return section("Configuration and timings", table(["stage", "seconds", "finished"], rows) + config_block(config))
+    source = config.get("_source", "")
+    preset = (f" --config {source}" if source else "") + f" --out {config['out_dir']}"
+    rows = [(name, float(rec["seconds"]), rec.get("finished_at", ""),
+             f"python train.py demo{preset} --stage {name} --force {name}" + (f"  |  {rec['command']}" if "command" in rec else ""))
+            for name, rec in records.items()]
+    rows.append(("total", float(sum(r[1] for r in rows)), "", ""))
+    note = "A finished stage is reused when the demo runs again; each can be rerun alone with the command shown."
+    return section("Configuration and timings", table(["stage", "seconds", "finished", "rerun alone"], rows)
+                   + config_block({k: v for k, v in config.items() if not k.startswith("_")}), note)

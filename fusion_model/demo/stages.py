@@ -326,7 +326,7 @@ def run_report(config: dict, out_dir: Path, progress: bool = True) -> dict:
                                 samples["understanding_labels"].numpy()[:n_cap], n_cap, parse_digit),
         report.interleaved_section(test_images[samples["interleaved_a"]], test_images[samples["interleaved_b"]], answers,
                                    samples["interleaved_pairs"].numpy(), samples["interleaved_predicted"].numpy(), 12),
-        report.timings_section(records, {k: v for k, v in config.items() if not k.startswith("_")}),
+        report.timings_section(records, config),
     ]
     path = report.write_html(out_dir / "report.html", "Early-fusion demo: MNIST digits and English, end to end",
                              sections, summary)
