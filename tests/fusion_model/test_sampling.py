@@ -218,6 +218,17 @@ def test_guidance_scale_one_equals_plain_conditional_sampling(vocab):
     assert generate_ids(model, vocab, prompts_of(vocab), strong) != generate_ids(model, vocab, prompts_of(vocab), image)
 
 
+def test_a_long_unconditional_prompt_limits_room_for_images_too(vocab):
+    model = steer(tiny_model(vocab, context=24), vocab, 6.0, torch.Generator().manual_seed(6))
+    prompt = [vocab.bos_id, vocab.encode_text("the")[0]]
+    uncond = [vocab.bos_id] + vocab.encode_text("one two three four five six seven")[:13]  # 14 tokens
+    config = SamplingConfig(mode="interleaved", image_grid=(2, 2), seed=0, cfg_scale=2.0)
+    for seed in range(5):
+        (new,) = generate_ids(model, vocab, [prompt], replace(config, seed=seed), uncond_prompts=[uncond])
+        # the unconditional row is 12 tokens longer, so the effective context is 12 shorter
+        check_rules(prompt, new, vocab, (2, 2), "interleaved", 24 - (len(uncond) - len(prompt)), None)
+
+
 def test_three_stream_mix_reduces_to_two_stream_when_both_scales_are_equal():
     torch.manual_seed(0)
     full, img, uncond = torch.randn(3, 4, 50).unbind(0)
