@@ -80,7 +80,7 @@ def _number(value: float, unit: str = "") -> str:
     for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(value) >= scale and unit:
             return f"{value / scale:.3g} {prefix}{unit}"
-    if abs(value) >= 1e4:
+    if 1e4 <= abs(value) < 1e7:
         return f"{float(f'{value:.3g}'):,.0f} {unit}".strip()  # 3 significant digits, thousands separated
     return f"{value:.3g} {unit}".strip()
 
@@ -131,7 +131,21 @@ def _flatten(figures: dict, prefix: str = "") -> list[tuple[str, object]]:
     return rows
 
 
-def _figure_cells(value: object) -> tuple[str, str, str, str]:
+# units read off a bare number's name, longest suffix first
+UNIT_SUFFIXES = (("flops_per_s", "FLOP/s"), ("flops", "FLOP/s"), ("bytes_per_s", "B/s"), ("tokens_per_s", "tok/s"),
+                 ("images_per_s", "images/s"), ("seconds_per_image", "s"), ("_median_s", "s"), ("_s", "s"))
+
+
+def _bare_number(label: str, value: float) -> str:
+    """A number without a unit of its own: fractions of peaks / bounds as percentages, else a unit from its name."""
+    name = label.rsplit(".", 1)[-1].lower()
+    if ("mfu" in name or "fraction" in name) and abs(value) <= 10:
+        return f"{100 * value:.1f}%"
+    unit = next((unit for suffix, unit in UNIT_SUFFIXES if name.endswith(suffix)), "")
+    return _number(value, unit)
+
+
+def _figure_cells(value: object, label: str = "") -> tuple[str, str, str, str]:
     """(result, spread, pairs, ours/reference seconds) cells for one figure."""
     if _is_paired(value):
         result = f"**{value['speedup_median']:.2f}×**"
@@ -156,7 +170,9 @@ def _figure_cells(value: object) -> tuple[str, str, str, str]:
         return text + (f" ({extras})" if extras else ""), spread, str(value.get("pairs", "")), ""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return str(value), "", "", ""
-    return _number(float(value)), "", "", ""
+    if isinstance(value, int):
+        return f"{value:,}", "", "", ""  # counts are exact
+    return _bare_number(label, value), "", "", ""
 
 
 def _machine_key(machine: dict) -> str:
@@ -180,7 +196,7 @@ def _table(results: dict[str, dict], machines: dict[str, str]) -> list[str]:
     for name, body in results.items():
         machine = machines.setdefault(_machine_key(body.get("machine", {})), f"M{len(machines) + 1}")
         when = f"{body.get('measured_at', '?')}, {machine}" + (" (smoke)" if body.get("smoke") else "")
-        rows += [(name, label, _figure_cells(value), when) for label, value in _flatten(body.get("figures", {}))]
+        rows += [(name, label, _figure_cells(value, label), when) for label, value in _flatten(body.get("figures", {}))]
     if not rows:
         return []
     if any(cells[1] for _, _, cells, _ in rows):

@@ -36,7 +36,7 @@ def test_markdown_shows_ratio_spread_values_limits_and_when(tmp_path):
     rows = {line.split("|")[2].strip(): line for line in text.splitlines() if line.startswith("| alpha")}
     assert "**2.00×**" in rows["encode"] and "1.50–2.50×" in rows["encode"] and "| 7 |" in rows["encode"]
     assert "41.0% of peak" in rows["medium.mfu"]
-    assert "| 12,300 |" in rows["medium.tokens_per_s"]
+    assert "| 12.3 ktok/s |" in rows["medium.tokens_per_s"]  # unit read off the name
     assert all("UTC, M1" in row for row in rows.values())
     assert "| limits | matmul_peak | 250 GFLOP/s (dtype float32) |" in text
     assert "- `beta`: timed out after 5 s" in text
@@ -47,12 +47,15 @@ def test_markdown_shows_ratio_spread_values_limits_and_when(tmp_path):
 
 def test_flat_speedup_keys_render_as_one_ratio_with_spread(tmp_path):
     figures = {"small": {"speedup_vs_ref": 1.6, "speedup_q25": 1.2, "speedup_q75": 2.2, "pairs": 4,
-                         "ours_median_s": 0.5, "reference_median_s": 0.8, "ours_tokens_per_s": 82.0}}
+                         "ours_median_s": 0.5, "reference_median_s": 0.8, "ours_tokens_per_s": 82.0,
+                         "ours_mfu_vs_peak": 0.25, "steps": 12345}}
     write_result("flat", {"figures": figures, "config": {}}, tmp_path)
     rows = [line for line in run.render_markdown(tmp_path).splitlines() if line.startswith("| flat")]
-    assert len(rows) == 2
+    assert len(rows) == 4
     assert "| small.speedup_vs_ref | **1.60×** | 1.20–2.20× | 4 | 0.5 / 0.8 |" in rows[0]
-    assert "| small.ours_tokens_per_s | 82 |" in rows[1]
+    assert "| small.ours_tokens_per_s | 82 tok/s |" in rows[1]
+    assert "| small.ours_mfu_vs_peak | 25.0% |" in rows[2]
+    assert "| small.steps | 12,345 |" in rows[3]
 
 
 def test_markdown_gives_gpu_results_their_own_section(tmp_path):
