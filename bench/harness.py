@@ -127,6 +127,8 @@ def machine_info() -> dict:
         "processor": _cpu_model(),
         "python": platform.python_version(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        # how busy the machine was: on shared hosts this explains noisy absolute times
+        "load_avg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
     return info
 

@@ -195,7 +195,9 @@ def _table(results: dict[str, dict], machines: dict[str, str]) -> list[str]:
     rows = []
     for name, body in results.items():
         machine = machines.setdefault(_machine_key(body.get("machine", {})), f"M{len(machines) + 1}")
-        when = f"{body.get('measured_at', '?')}, {machine}" + (" (smoke)" if body.get("smoke") else "")
+        load = body.get("machine", {}).get("load_avg_1m")
+        when = f"{body.get('measured_at', '?')}, {machine}" + (f", load {load:g}" if load is not None else "")
+        when += " (smoke)" if body.get("smoke") else ""
         rows += [(name, label, _figure_cells(value, label), when) for label, value in _flatten(body.get("figures", {}))]
     if not rows:
         return []
@@ -224,6 +226,8 @@ def render_markdown(directory: Path, failures: dict[str, str] | None = None) -> 
         "ours and the reference alternate (A B, B A, …) after a warm-up, and the table gives the median of the",
         "pairwise ratios with its inter-quartile spread. Absolute seconds are shown only for orientation; the",
         "machines are shared and noisy, so only the ratios are results. > 1 means ours is faster.",
+        "`Measured` gives the UTC time, the machine (listed at the end) and the 1-minute load average",
+        "when the result was written: a load above the core count means other work shared the CPU.",
         "",
         "## Ratios and figures",
         "",

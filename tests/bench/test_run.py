@@ -37,7 +37,7 @@ def test_markdown_shows_ratio_spread_values_limits_and_when(tmp_path):
     assert "**2.00×**" in rows["encode"] and "1.50–2.50×" in rows["encode"] and "| 7 |" in rows["encode"]
     assert "41.0% of peak" in rows["medium.mfu"]
     assert "| 12.3 ktok/s |" in rows["medium.tokens_per_s"]  # unit read off the name
-    assert all("UTC, M1" in row for row in rows.values())
+    assert all("UTC, M1, load " in row for row in rows.values())
     assert "| limits | matmul_peak | 250 GFLOP/s (dtype float32) |" in text
     assert "- `beta`: timed out after 5 s" in text
     assert "- M1: " in text and "torch" in text
