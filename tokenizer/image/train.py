@@ -37,13 +37,22 @@ def fit_image_tokenizer(
 ) -> tuple[ImageTokenizer, dict[str, float]]:
     """Train on `images` (N, 3, H, W) in [-1, 1]; returns the tokenizer (eval mode) and a summary of the run."""
     if images.dim() != 4 or images.shape[1] != 3 or not images.dtype.is_floating_point:
-        raise ValueError(f"images must be a float tensor (N, 3, H, W) in [-1, 1], got {images.dtype} {tuple(images.shape)}")
+        raise ValueError(
+            f"images must be a float tensor (N, 3, H, W) in [-1, 1], got {images.dtype} {tuple(images.shape)}"
+        )
     L.seed_everything(seed, verbose=False)
     module = ImageTokenizerModule(preset=preset, overrides=overrides, **module_kwargs)
-    if images.shape[-1] != module.tokenizer.config.image_size or images.shape[-2] != module.tokenizer.config.image_size:
-        raise ValueError(f"preset {preset!r} expects {module.tokenizer.config.image_size}-px images, "
-                         f"got {tuple(images.shape[-2:])}")
-    train = DataLoader(_Pixels(images.float()), batch_size=min(batch_size, len(images)), shuffle=True, drop_last=True)
+    if (
+        images.shape[-1] != module.tokenizer.config.image_size
+        or images.shape[-2] != module.tokenizer.config.image_size
+    ):
+        raise ValueError(
+            f"preset {preset!r} expects {module.tokenizer.config.image_size}-px images, "
+            f"got {tuple(images.shape[-2:])}"
+        )
+    train = DataLoader(
+        _Pixels(images.float()), batch_size=min(batch_size, len(images)), shuffle=True, drop_last=True
+    )
     val = DataLoader(_Pixels(val_images.float()), batch_size=batch_size) if val_images is not None else None
     loggers = False
     if log_dir is not None:
