@@ -155,7 +155,7 @@ def check_rules(prompt: list[int], new: list[int], vocab, grid, mode: str, conte
         assert images == 1 and new[-1] == vocab.eoi_id
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     seed=st.integers(0, 2**16),
     mode=st.sampled_from(["text", "image", "interleaved"]),
