@@ -2,6 +2,7 @@
 checkpoint and a bundle; `export` turns the checkpoint into the same bundle; the GAN and perceptual path steps."""
 
 import csv
+import io
 from pathlib import Path
 
 import lightning as L
@@ -98,3 +99,24 @@ def test_every_tokenizer_config_names_a_preset_whose_size_matches_its_data(path)
     model = config["model"]
     tokenizer_config = ImageTokenizerConfig.from_preset(model["preset"], **(model.get("overrides") or {}))
     assert tokenizer_config.image_size == config["data"]["image_size"]
+
+
+def test_raw_shards_give_every_image_of_every_document_and_skip_bad_ones(tmp_path):
+    import webdataset as wds
+
+    def png(value: int) -> bytes:
+        buffer = io.BytesIO()
+        Image.fromarray(np.full((24, 40, 3), value, np.uint8)).save(buffer, "PNG")
+        return buffer.getvalue()
+
+    with wds.TarWriter(str(tmp_path / "shard-000000.tar")) as sink:
+        sink.write({"__key__": "doc0", "json": b'{"segments": [{"image": 0}, {"image": 1}]}',
+                    "0.png": png(10), "1.png": png(200)})
+        sink.write({"__key__": "doc1", "json": b'{"segments": [{"image": 0}]}', "0.jpg": b"not a jpeg"})
+    data = ImageDataModule(source=str(tmp_path / "shard-*.tar"), image_size=16, batch_size=2)
+    data.setup("fit")
+    (train,) = list(data.train_dataloader())
+    (val,) = list(data.val_dataloader())
+    assert train.shape == (2, 3, 16, 16)
+    torch.testing.assert_close(val[:, 0, 0, 0], torch.tensor([10, 200]) / 127.5 - 1)  # center crops, in order
+    assert any("doc1.0.jpg" in name for name in data.skipped())
