@@ -17,7 +17,9 @@ CAPTION_TEMPLATES = (
     "a picture of the number {word}",
     "this is a {word}",
 )
-PLUS, EQUALS = "plus", "equals"
+# Arithmetic documents read "calculate <a> plus <b> equals <a+b>". The leading word keeps `<s> <boi>` the start
+# of image->caption documents only, so that prefix stays a clean unconditional branch for guidance.
+CALCULATE, PLUS, EQUALS = "calculate", "plus", "equals"
 _WORD_RE = re.compile(r"\b(" + "|".join(DIGIT_WORDS) + r")\b")
 
 
@@ -75,7 +77,7 @@ def caption_texts() -> list[str]:
     """Every caption phrasing for every digit, and the arithmetic words (for training the vocabulary)."""
     texts = [caption(d, v) for d in range(10) for v in range(len(CAPTION_TEMPLATES))]
     # the arithmetic words stand alone between two images in the documents
-    return texts + [PLUS, EQUALS] * 10
+    return texts + [CALCULATE, PLUS, EQUALS] * 10
 
 
 def arithmetic_pairs(rng: np.random.Generator, count: int) -> np.ndarray:

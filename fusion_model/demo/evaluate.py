@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fusion_model.demo.datasets import EQUALS, PLUS, caption_prompt, parse_digit, pick_by_label
+from fusion_model.demo.datasets import CALCULATE, EQUALS, PLUS, caption_prompt, parse_digit, pick_by_label
 from fusion_model.sampling import SamplingConfig, generate_ids
 
 
@@ -84,14 +84,14 @@ def generation(model, vocab, image_tokenizer, classifier, settings: dict, *, see
 
 def interleaved(model, vocab, image_tokenizer, classifier, test_codes: torch.Tensor, test_labels: np.ndarray,
                 settings: dict, *, seed: int, batch_size: int = 100, bar=None) -> dict:
-    """Prompt `<a> plus <b> equals` with held-out digit images; the classifier reads the generated answer image."""
+    """Prompt `calculate <a> plus <b> equals` with held-out digit images; the classifier reads the answer image."""
     from fusion_model.demo.datasets import arithmetic_pairs
 
     rng = np.random.default_rng(seed + 1)
     pairs = arithmetic_pairs(rng, int(settings["arithmetic_examples"]))
     a_idx = pick_by_label(test_labels, pairs[:, 0], rng)
     b_idx = pick_by_label(test_labels, pairs[:, 1], rng)
-    prompts = [vocab.encode_document([test_codes[a], PLUS, test_codes[b], EQUALS], bos=True, eos=False)
+    prompts = [vocab.encode_document([CALCULATE, test_codes[a], PLUS, test_codes[b], EQUALS], bos=True, eos=False)
                for a, b in zip(a_idx, b_idx)]
     grid = tuple(image_tokenizer.grid_shape)
     new_ids = _batched(model, vocab, prompts, image_sampling(settings, grid, seed + 2), batch_size, bar)

@@ -14,11 +14,15 @@ import os
 import shutil
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import yaml
 
+# Bumped whenever what a stage writes changes meaning (e.g. the document layout), so old outputs are redone.
+FORMAT_VERSION = 2
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs" / "demo"
 # stage -> the config sections it reads; upstream stages' keys are folded into its own key.
@@ -70,6 +74,7 @@ def load_config(preset: str = "full", path: str | Path | None = None, overrides:
 def stage_key(config: dict, stage: str) -> str:
     """A hash of everything the stage's result depends on: its config sections and its upstream stages."""
     parts = {name: config.get(name) for name in STAGES[stage]}
+    parts["format"] = FORMAT_VERSION
     parts["upstream"] = [stage_key(config, up) for up in UPSTREAM[stage]]
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -89,9 +94,17 @@ def write_json(path: Path, payload: dict) -> None:
 
 
 def is_fresh(out_dir: Path, config: dict, stage: str) -> bool:
-    """True when the stage finished with the current configuration."""
+    """True when the stage finished with the current configuration, from the upstream outputs there now."""
     marker = read_marker(out_dir, stage)
-    return marker is not None and marker.get("key") == stage_key(config, stage)
+    if marker is None or marker.get("key") != stage_key(config, stage):
+        return False
+    for up in UPSTREAM[stage]:  # an upstream stage rerun since (say with --force) makes this one stale
+        upstream = read_marker(out_dir, up)
+        if upstream is None or marker.get("inputs", {}).get(up) != upstream.get("run_id"):
+            return False
+        if not is_fresh(out_dir, config, up):
+            return False
+    return True
 
 
 def prepare_folder(folder: Path, key: str, fresh: bool = False) -> None:
@@ -101,6 +114,16 @@ def prepare_folder(folder: Path, key: str, fresh: bool = False) -> None:
         shutil.rmtree(folder)
     folder.mkdir(parents=True, exist_ok=True)
     key_file.write_text(key)
+
+
+def free_cores() -> int:
+    """Cores not already busy (load average): oversubscribed intra-op threads spin and run many times slower."""
+    cores = os.cpu_count() or 1
+    try:
+        busy = os.getloadavg()[0]
+    except OSError:  # not available on this platform
+        busy = 0.0
+    return max(1, min(cores, round(cores - busy)))
 
 
 def run(config: dict, stages: list[str] | None = None, force: tuple[str, ...] = (), progress: bool = True,
@@ -116,28 +139,38 @@ def run(config: dict, stages: list[str] | None = None, force: tuple[str, ...] = 
     if unknown:
         raise ValueError(f"unknown demo stage(s) {unknown}; stages are {list(STAGES)}")
     records: dict[str, dict] = {}
-    for number, stage in enumerate(STAGES, start=1):
-        if stage not in wanted:
-            continue
-        for up in UPSTREAM[stage]:
-            if not is_fresh(out_dir, config, up) and up not in wanted:
-                raise RuntimeError(
-                    f"demo stage {stage!r} needs stage {up!r} finished with this configuration "
-                    f"({out_dir / up / 'stage.json'} is missing or stale); run `python train.py demo --stage {up}` first"
-                )
-        if is_fresh(out_dir, config, stage) and stage not in force:
-            records[stage] = read_marker(out_dir, stage)
-            log(f"[{number}/{len(STAGES)}] {stage}: reusing finished stage ({records[stage]['seconds']:.0f} s)")
-            continue
-        log(f"[{number}/{len(STAGES)}] {stage}: running")
-        prepare_folder(out_dir / stage, stage_key(config, stage), fresh=stage in force)
-        start = time.perf_counter()
-        result = getattr(impl, f"run_{stage}")(config, out_dir, progress=progress)
-        record = {"stage": stage, "key": stage_key(config, stage), "seconds": time.perf_counter() - start,
-                  "finished_at": time.strftime("%Y-%m-%d %H:%M:%S"), **result}
-        write_json(out_dir / stage / "stage.json", record)
-        records[stage] = record
-        log(f"[{number}/{len(STAGES)}] {stage}: done in {record['seconds']:.0f} s")
+    threads = config.get("threads", "auto")
+    threads = free_cores() if threads == "auto" else int(threads)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for number, stage in enumerate(STAGES, start=1):
+            if stage not in wanted:
+                continue
+            for up in UPSTREAM[stage]:
+                if not is_fresh(out_dir, config, up) and up not in wanted:
+                    raise RuntimeError(
+                        f"demo stage {stage!r} needs stage {up!r} finished with this configuration ({out_dir / up} "
+                        f"is missing or stale); run `python train.py demo --stage {up}` first"
+                    )
+            label = f"[{number}/{len(STAGES)}] {stage}"
+            if is_fresh(out_dir, config, stage) and stage not in force:
+                records[stage] = read_marker(out_dir, stage)
+                log(f"{label}: reusing finished stage ({records[stage]['seconds']:.0f} s)")
+                continue
+            log(f"{label}: running ({threads} thread{'s' if threads > 1 else ''})")
+            prepare_folder(out_dir / stage, stage_key(config, stage), fresh=stage in force)
+            start = time.perf_counter()
+            result = getattr(impl, f"run_{stage}")(config, out_dir, progress=progress)
+            record = {"stage": stage, "key": stage_key(config, stage), "run_id": uuid.uuid4().hex,
+                      "inputs": {up: read_marker(out_dir, up)["run_id"] for up in UPSTREAM[stage]},
+                      "seconds": time.perf_counter() - start, "threads": threads,
+                      "finished_at": time.strftime("%Y-%m-%d %H:%M:%S"), **result}
+            write_json(out_dir / stage / "stage.json", record)
+            records[stage] = record
+            log(f"{label}: done in {record['seconds']:.0f} s")
+    finally:
+        torch.set_num_threads(previous_threads)
     return records
 
 

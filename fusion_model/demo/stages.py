@@ -14,6 +14,7 @@ from PIL import Image
 
 from fusion_model.checkpointing import atomic_torch_save
 from fusion_model.demo.datasets import (
+    CALCULATE,
     EQUALS,
     PLUS,
     arithmetic_pairs,
@@ -157,7 +158,7 @@ def run_shards(config: dict, out_dir: Path, progress: bool = True) -> dict:
         b_idx = pick_by_label(digits.train_labels, pairs[:, 1], rng)
         c_idx = pick_by_label(digits.train_labels, pairs.sum(axis=1), rng)
         for n, (a, b, c) in enumerate(zip(a_idx, b_idx, c_idx)):
-            writer.add(f"sum_{n:05d}", [images[a], PLUS, images[b], EQUALS, images[c]])
+            writer.add(f"sum_{n:05d}", [CALCULATE, images[a], PLUS, images[b], EQUALS, images[c]])
     raw_manifest = writer.manifest
     manifest = pretokenize(raw_dir, token_dir, load_vocab(out_dir), load_image_tokenizer(out_dir),
                            flip_probability=settings["flip_probability"], seed=config["seed"], progress=progress)
