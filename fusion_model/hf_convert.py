@@ -11,6 +11,7 @@ import torch
 
 from fusion_model.config import FusionConfig
 from fusion_model.model import FusionModel
+from tokenizer.vocab import image_token_name
 
 # A placeholder VQ encoder for exports without an image tokenizer: transformers always builds one, and
 # the default (70M parameters, random) would only cost time; text and image-token ids work without it.
@@ -18,11 +19,6 @@ PLACEHOLDER_VQ_CONFIG = dict(
     embed_dim=32, num_embeddings=8192, latent_channels=32, resolution=32, base_channels=32,
     channel_multiplier=[1, 2], num_res_blocks=1, attn_resolutions=None,
 )
-
-
-def image_token_name(code: int) -> str:
-    """Chameleon's vocabulary name for image code k: IMGIMG + digits as letters (0->A ... 9->J) + Z."""
-    return "IMGIMG" + "".join(chr(ord("A") + int(digit)) for digit in str(code)) + "Z"
 
 
 def _split_name(name: str) -> int | None:
