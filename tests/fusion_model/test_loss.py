@@ -54,14 +54,16 @@ def test_image_weight_zero_removes_image_targets():
     assert logits.grad[0, 3:5].abs().sum() > 0
 
 
-def test_chunked_loss_from_hidden_equals_full_logits_path():
+@pytest.mark.parametrize("chunk_size", [4, 4096])  # 4: logits recomputed in backward; 4096: logits kept
+def test_chunked_loss_from_hidden_equals_full_logits_path(chunk_size):
+    """The hand-written backward of the fused head + CE + z-loss equals autograd through full logits."""
     hidden = torch.randn(2, 9, 16, requires_grad=True)
     head = torch.randn(200, 16, requires_grad=True)
     ids = torch.randint(0, 200, (2, 9))
     docs = torch.tensor([[0] * 4 + [1] * 5, [-1] * 2 + [0] * 7])
     kwargs = dict(z_loss_coef=1e-3, text_weight=1.0, image_weight=0.5, **IMAGE)
     full = fusion_loss(hidden @ head.t(), ids, docs, **kwargs)
-    chunked = fusion_loss_from_hidden(hidden, head, ids, docs, chunk_size=4, **kwargs)
+    chunked = fusion_loss_from_hidden(hidden, head, ids, docs, chunk_size=chunk_size, **kwargs)
     for key in full:
         torch.testing.assert_close(chunked[key].float(), full[key].float())
     grads_full = torch.autograd.grad(full["loss"], (hidden, head))
