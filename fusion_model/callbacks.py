@@ -130,3 +130,57 @@ class SampleWriter(L.Callback):
             out_dir = Path(trainer.log_dir or trainer.default_root_dir) / "samples" / f"step{step:08d}"
             write_samples(out_dir, samples, prompts=prompts, ids=ids, settings={"step": step, **config.__dict__},
                           title=f"Samples at step {step}")
+
+
+class TimeBudget(L.Callback):
+    """Fits the run to a wall-clock budget: after `measure_steps` optimizer steps it sets max_steps and the lr
+    schedule's horizon to the steps that fit in `minutes` at the measured rate, so the decay finishes on time
+    instead of being cut off by `trainer.max_time` part-way down.
+
+    It must act before the warmup ends (the horizon changes nothing until the decay starts); the horizon is
+    saved in checkpoints, so a resumed run keeps it. Keep `trainer.max_time` as the hard stop.
+    """
+
+    def __init__(self, minutes: float, measure_steps: int = 40, skip_steps: int = 5, safety: float = 0.97) -> None:
+        super().__init__()
+        if measure_steps <= skip_steps:
+            raise ValueError(f"TimeBudget: measure_steps ({measure_steps}) must exceed skip_steps ({skip_steps})")
+        self.seconds, self.measure_steps, self.skip_steps, self.safety = minutes * 60.0, measure_steps, skip_steps, safety
+        self.horizon: int | None = None
+        self._train_start = self._mark = 0.0
+
+    def state_dict(self) -> dict:
+        """The chosen horizon (None until measured)."""
+        return {"horizon": self.horizon}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Keep the horizon of the checkpointed run."""
+        self.horizon = state_dict.get("horizon")
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Start the clock; a resumed run re-applies its horizon."""
+        self._train_start = time.perf_counter()
+        if self.horizon is not None:
+            self._apply(trainer, self.horizon)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        """Measure steps skip_steps..measure_steps, then set the horizon once."""
+        step = trainer.global_step
+        if self.horizon is not None:
+            return
+        if step == self.skip_steps:
+            self._mark = time.perf_counter()
+        elif step == self.measure_steps:
+            now = time.perf_counter()
+            per_step = (now - self._mark) / (self.measure_steps - self.skip_steps)
+            remaining = self.seconds - (now - self._train_start)
+            self.horizon = max(step + 1, step + int(self.safety * remaining / per_step))
+            self._apply(trainer, self.horizon)
+
+    @staticmethod
+    def _apply(trainer: L.Trainer, horizon: int) -> None:
+        trainer.fit_loop.epoch_loop.max_steps = horizon
+        for config in trainer.lr_scheduler_configs:
+            for schedule in getattr(config.scheduler, "lr_lambdas", []):
+                if hasattr(schedule, "decay_steps"):
+                    schedule.decay_steps = horizon

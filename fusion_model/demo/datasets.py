@@ -17,8 +17,11 @@ CAPTION_TEMPLATES = (
     "a picture of the number {word}",
     "this is a {word}",
 )
-# Arithmetic documents read "calculate <a> plus <b> equals <a+b>". The leading word keeps `<s> <boi>` the start
-# of image->caption documents only, so that prefix stays a clean unconditional branch for guidance.
+# Arithmetic documents read "calculate <a> plus <b> equals: three plus four is seven <a+b>". The leading word keeps
+# `<s> <boi>` the start of image->caption documents only, so that prefix stays a clean unconditional branch for
+# guidance. The worded sum between the operands and the answer image chains the three skills the model learns
+# anyway (read an image, add two number words, draw a named digit); without it the answer image stayed at
+# chance (11-15% in the first full runs).
 CALCULATE, PLUS, EQUALS = "calculate", "plus", "equals"
 _WORD_RE = re.compile(r"\b(" + "|".join(DIGIT_WORDS) + r")\b")
 
@@ -73,11 +76,17 @@ def parse_digit(text: str) -> int | None:
     return DIGIT_WORDS.index(words[-1]) if words else None
 
 
+def worded_sum(a: int, b: int) -> str:
+    """The reasoning written before the answer image: ": three plus four is seven"."""
+    return f": {DIGIT_WORDS[int(a)]} plus {DIGIT_WORDS[int(b)]} is {DIGIT_WORDS[int(a) + int(b)]}"
+
+
 def caption_texts() -> list[str]:
     """Every caption phrasing for every digit, and the arithmetic words (for training the vocabulary)."""
     texts = [caption(d, v) for d in range(10) for v in range(len(CAPTION_TEMPLATES))]
     # the arithmetic words stand alone between two images in the documents
-    return texts + [CALCULATE, PLUS, EQUALS] * 10
+    sums = [worded_sum(a, b) for a in range(10) for b in range(10 - a)]
+    return texts + [CALCULATE, PLUS, EQUALS] * 10 + sums
 
 
 def arithmetic_pairs(rng: np.random.Generator, count: int) -> np.ndarray:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -40,11 +41,20 @@ def _image_codes(vocab, new_ids: list[list[int]], grid: tuple[int, int]) -> tupl
     codes = torch.zeros(len(new_ids), *grid, dtype=torch.long)
     complete = torch.zeros(len(new_ids), dtype=torch.bool)
     for r, ids in enumerate(new_ids):
-        body = [t - vocab.image_offset for t in ids if t != vocab.boi_id and t != vocab.eoi_id][:n]
+        if vocab.boi_id not in ids:
+            continue
+        start = ids.index(vocab.boi_id) + 1
+        body = [t - vocab.image_offset for t in ids[start:start + n]]
         if len(body) == n and all(0 <= c < vocab.image_codes for c in body):
             codes[r] = torch.tensor(body).view(*grid)
             complete[r] = True
     return codes, complete
+
+
+def _text_before_image(vocab, ids: list[int]) -> str:
+    """The text a row generated before its first image."""
+    end = ids.index(vocab.boi_id) if vocab.boi_id in ids else len(ids)
+    return vocab.decode_text([t for t in ids[:end] if t != vocab.eos_id]).strip()
 
 
 def image_sampling(settings: dict, grid: tuple[int, int], seed: int) -> SamplingConfig:
@@ -84,7 +94,8 @@ def generation(model, vocab, image_tokenizer, classifier, settings: dict, *, see
 
 def interleaved(model, vocab, image_tokenizer, classifier, test_codes: torch.Tensor, test_labels: np.ndarray,
                 settings: dict, *, seed: int, batch_size: int = 100, bar=None) -> dict:
-    """Prompt `calculate <a> plus <b> equals` with held-out digit images; the classifier reads the answer image."""
+    """Prompt `calculate <a> plus <b> equals` with held-out digit images; the model writes its worded sum and then
+    the answer image (one interleaved continuation), which the classifier reads."""
     from fusion_model.demo.datasets import arithmetic_pairs
 
     rng = np.random.default_rng(seed + 1)
@@ -94,13 +105,17 @@ def interleaved(model, vocab, image_tokenizer, classifier, test_codes: torch.Ten
     prompts = [vocab.encode_document([CALCULATE, test_codes[a], PLUS, test_codes[b], EQUALS], bos=True, eos=False)
                for a, b in zip(a_idx, b_idx)]
     grid = tuple(image_tokenizer.grid_shape)
-    new_ids = _batched(model, vocab, prompts, image_sampling(settings, grid, seed + 2), batch_size, bar)
+    # greedy text (the worded sum), then the image with the generation settings; room for 24 text tokens
+    config = replace(image_sampling(settings, grid, seed + 2), mode="interleaved", text_temperature=0.0,
+                     max_new_tokens=24 + grid[0] * grid[1] + 2)
+    new_ids = _batched(model, vocab, prompts, config, batch_size, bar)
     codes, complete = _image_codes(vocab, new_ids, grid)
     images = image_tokenizer.decode(codes)
     predicted = classifier.predict(images).numpy()
     answers = pairs.sum(axis=1)
     correct = (predicted == answers) & complete.numpy()
-    return {"pairs": pairs, "a_index": a_idx, "b_index": b_idx, "codes": codes, "images": images,
+    texts = [_text_before_image(vocab, ids) for ids in new_ids]
+    return {"pairs": pairs, "a_index": a_idx, "b_index": b_idx, "codes": codes, "images": images, "texts": texts,
             "predicted": predicted, "answers": answers, "accuracy": float(correct.mean()), "count": len(answers)}
 
 

@@ -200,17 +200,19 @@ def captions_section(images: torch.Tensor, texts: list[str], labels: np.ndarray,
 
 
 def interleaved_section(a_images: torch.Tensor, b_images: torch.Tensor, answers: torch.Tensor, pairs: np.ndarray,
-                        predicted: np.ndarray, shown: int) -> str:
-    """`calculate <a> plus <b> equals <generated>` documents, with the classifier's reading of the answer."""
+                        predicted: np.ndarray, shown: int, texts: list[str] | None = None) -> str:
+    """`calculate <a> plus <b> equals <generated text> <generated image>` documents, with the classifier's reading
+    of the answer image."""
     rows = []
     for i in range(min(shown, len(pairs))):
         a, b, c = (to_uint8(t[i:i + 1])[0] for t in (a_images, b_images, answers))
         ok = int(predicted[i]) == int(pairs[i].sum())
+        written = html.escape(texts[i]) if texts else ""
         rows.append(f"<tr><td>calculate</td><td>{image_tag(a, 48)}</td><td>plus</td><td>{image_tag(b, 48)}</td><td>equals</td>"
-                    f"<td>{image_tag(c, 48)}</td><td>{_mark(ok)} {int(pairs[i][0])} + {int(pairs[i][1])}: "
-                    f"generated image reads {int(predicted[i])}</td></tr>")
-    return section("Interleaved arithmetic (prompt: two held-out digit images; the model writes the answer image)",
-                   "<table>" + "".join(rows) + "</table>")
+                    f"<td><i>{written}</i></td><td>{image_tag(c, 48)}</td><td>{_mark(ok)} {int(pairs[i][0])} + "
+                    f"{int(pairs[i][1])}: generated image reads {int(predicted[i])}</td></tr>")
+    return section("Interleaved arithmetic (prompt: two held-out digit images; the model writes the sum in words "
+                   "(italic), then the answer image)", "<table>" + "".join(rows) + "</table>")
 
 
 def timings_section(records: dict[str, dict], config: dict) -> str:

@@ -23,6 +23,7 @@ from fusion_model.demo.datasets import (
     load_digits,
     pick_by_label,
     to_model_images,
+    worded_sum,
 )
 from fusion_model.demo.pipeline import write_json
 from fusion_model.demo.report import to_uint8
@@ -158,7 +159,9 @@ def run_shards(config: dict, out_dir: Path, progress: bool = True) -> dict:
         b_idx = pick_by_label(digits.train_labels, pairs[:, 1], rng)
         c_idx = pick_by_label(digits.train_labels, pairs.sum(axis=1), rng)
         for n, (a, b, c) in enumerate(zip(a_idx, b_idx, c_idx)):
-            writer.add(f"sum_{n:05d}", [CALCULATE, images[a], PLUS, images[b], EQUALS, images[c]])
+            a_word, b_word = int(digits.train_labels[a]), int(digits.train_labels[b])
+            writer.add(f"sum_{n:05d}", [CALCULATE, images[a], PLUS, images[b], EQUALS + worded_sum(a_word, b_word),
+                                        images[c]])
     raw_manifest = writer.manifest
     manifest = pretokenize(raw_dir, token_dir, load_vocab(out_dir), load_image_tokenizer(out_dir),
                            flip_probability=settings["flip_probability"], seed=config["seed"], progress=progress)
@@ -207,7 +210,7 @@ def run_generate(config: dict, out_dir: Path, progress: bool = True) -> dict:
         "generation_predicted": torch.as_tensor(gen["predicted"]),
         "interleaved_pairs": torch.as_tensor(inter["pairs"]), "interleaved_a": torch.as_tensor(inter["a_index"]),
         "interleaved_b": torch.as_tensor(inter["b_index"]), "interleaved_codes": inter["codes"],
-        "interleaved_predicted": torch.as_tensor(inter["predicted"]),
+        "interleaved_predicted": torch.as_tensor(inter["predicted"]), "interleaved_texts": inter["texts"],
     }, folder / "samples.pt")
     return {"understanding_accuracy": under["accuracy"], "understanding_count": under["count"],
             "generation_accuracy": gen["accuracy"], "generation_count": gen["count"],
@@ -220,6 +223,9 @@ def run_generate(config: dict, out_dir: Path, progress: bool = True) -> dict:
 # ---------------------------------------------------------------- 4. pretraining
 
 
+AUTO_STEPS_CAP = 1_000_000  # max_steps until TimeBudget has measured the step rate
+
+
 def fit_config(config: dict, out_dir: Path, vocab, progress: bool) -> dict:
     """The `train.py fit` YAML for the demo: the 7B preset's module and loader, a small decoder, CPU fp32."""
     from fusion_model.config import FusionConfig
@@ -229,11 +235,14 @@ def fit_config(config: dict, out_dir: Path, vocab, progress: bool) -> dict:
                                      image_codes=vocab.image_codes, max_seq_len=settings["seq_len"],
                                      dropout=settings["dropout"])
     minutes = float(settings["max_minutes"])
+    # "auto": as many steps as fit in max_minutes, measured on the first steps (the lr decay then ends on time)
+    auto_steps = settings["max_steps"] == "auto"
     callbacks = [
         {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
          "init_args": {"dirpath": str(folder / "checkpoints"), "every_n_train_steps": 100, "save_last": True,
                        "save_top_k": 1}},
         {"class_path": "fusion_model.callbacks.ThroughputMonitor"},
+        *([{"class_path": "fusion_model.callbacks.TimeBudget", "init_args": {"minutes": minutes}}] if auto_steps else []),
         {"class_path": "fusion_model.demo.recorder.LossRecorder",
          "init_args": {"path": str(folder / "losses.json"), "log_every": settings["log_every"]}},
     ]
@@ -242,7 +251,7 @@ def fit_config(config: dict, out_dir: Path, vocab, progress: bool) -> dict:
     return {
         "seed_everything": config["seed"],
         "trainer": {
-            "accelerator": "cpu", "devices": 1, "precision": "32-true", "max_steps": settings["max_steps"],
+            "accelerator": "cpu", "devices": 1, "precision": "32-true", "max_steps": AUTO_STEPS_CAP if auto_steps else settings["max_steps"],
             "max_time": f"00:00:{int(minutes):02d}:{int(round(minutes % 1 * 60)):02d}", "max_epochs": -1,
             "gradient_clip_val": 1.0, "log_every_n_steps": settings["log_every"], "num_sanity_val_steps": 0,
             "enable_model_summary": False, "enable_progress_bar": progress, "default_root_dir": str(folder),
@@ -326,7 +335,8 @@ def run_report(config: dict, out_dir: Path, progress: bool = True) -> dict:
         report.captions_section(test_images, samples["understanding_texts"][:n_cap],
                                 samples["understanding_labels"].numpy()[:n_cap], n_cap, parse_digit),
         report.interleaved_section(test_images[samples["interleaved_a"]], test_images[samples["interleaved_b"]], answers,
-                                   samples["interleaved_pairs"].numpy(), samples["interleaved_predicted"].numpy(), 12),
+                                   samples["interleaved_pairs"].numpy(), samples["interleaved_predicted"].numpy(), 12,
+                                   samples.get("interleaved_texts")),
         report.timings_section(records, config),
     ]
     path = report.write_html(out_dir / "report.html", "Early-fusion demo: MNIST digits and English, end to end",

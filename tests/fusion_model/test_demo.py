@@ -12,7 +12,15 @@ import pytest
 from PIL import Image
 
 from fusion_model.demo import pipeline
-from fusion_model.demo.datasets import arithmetic_pairs, caption, load_digits, parse_digit, pick_by_label
+from fusion_model.demo.datasets import (
+    arithmetic_pairs,
+    caption,
+    caption_texts,
+    load_digits,
+    parse_digit,
+    pick_by_label,
+    worded_sum,
+)
 
 CHANCE = 0.10  # ten digits
 
@@ -143,3 +151,33 @@ def test_captions_name_their_digit_and_arithmetic_keeps_the_whole_sum():
     assert pairs.min() >= 0 and pairs.sum(axis=1).max() <= 9  # the answer is one whole digit image
     labels = np.arange(100) % 10
     assert (labels[pick_by_label(labels, pairs[:, 0], rng)] == pairs[:, 0]).all()
+
+
+def test_arithmetic_documents_word_the_sum_before_the_answer_image():
+    assert worded_sum(3, 4) == ": three plus four is seven"
+    assert parse_digit(worded_sum(2, 5)) == 7  # the last number word is the answer
+    texts = caption_texts()
+    assert all(worded_sum(a, b) in texts for a in range(10) for b in range(10 - a))  # the BPE sees every sum
+
+
+def test_answer_image_is_read_after_the_generated_text():
+    from types import SimpleNamespace
+
+    from fusion_model.demo.evaluate import _image_codes, _text_before_image
+
+    vocab = SimpleNamespace(boi_id=8, eoi_id=9, eos_id=2, image_offset=16, image_codes=4,
+                            decode_text=lambda ids: " ".join(map(str, ids)))
+    rows = [[100, 101, 8, 16, 17, 18, 19, 9, 2],  # text, then a whole image
+            [8, 19, 18, 17, 16, 9],  # an image straight away
+            [100, 8, 16, 17, 9],  # the image stops early
+            [100, 101, 2]]  # no image at all
+    codes, complete = _image_codes(vocab, rows, (2, 2))
+    assert complete.tolist() == [True, True, False, False]
+    assert codes[0].flatten().tolist() == [0, 1, 2, 3] and codes[1].flatten().tolist() == [3, 2, 1, 0]
+    assert _text_before_image(vocab, rows[0]) == "100 101" and _text_before_image(vocab, rows[3]) == "100 101"
+
+
+def test_free_cores_counts_idle_cores_only():
+    import os
+
+    assert 1 <= pipeline.free_cores(window=0.05) <= (os.cpu_count() or 1)
