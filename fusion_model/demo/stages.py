@@ -18,6 +18,7 @@ from fusion_model.demo.datasets import (
     EQUALS,
     PLUS,
     arithmetic_pairs,
+    augment_digits,
     caption,
     caption_texts,
     load_digits,
@@ -144,7 +145,13 @@ def run_shards(config: dict, out_dir: Path, progress: bool = True) -> dict:
     data, settings = config["data"], config["shards"]
     digits = digits_for(config)
     rng = np.random.default_rng(config["seed"])
-    images = _pil(to_model_images(digits.train_images, data["image_size"]))  # 64-px PNGs: preprocessing is a no-op
+    size, augment = data["image_size"], bool(data.get("augment", False))
+
+    def copy_of_digits(index: int) -> list[Image.Image]:
+        """Copy 0 is the digits as they are; with `augment`, every other copy is randomly rotated/scaled/shifted."""
+        pixels = augment_digits(digits.train_images, rng) if augment and index > 0 else digits.train_images
+        return _pil(to_model_images(pixels, size))  # 64-px PNGs: preprocessing is a no-op
+
     raw_dir, token_dir = out_dir / "shards" / "raw", out_dir / "shards" / "tokens"
     # Raw shards are cheap and deterministic: always rewritten. Token shards left by an interrupted run of the
     # same configuration are kept (the pipeline clears the folder otherwise), so pre-tokenizing resumes.
@@ -152,9 +159,11 @@ def run_shards(config: dict, out_dir: Path, progress: bool = True) -> dict:
         shutil.rmtree(raw_dir)
     pairs = arithmetic_pairs(rng, data["arithmetic_documents"])
     with RawShardWriter(raw_dir, shard_max_docs=settings["samples_per_shard"], prefix="demo") as writer:
-        for i, label in enumerate(digits.train_labels):
-            for variant in range(data["captions_per_image"]):
+        for variant in range(data["captions_per_image"]):
+            images = copy_of_digits(variant)
+            for i, label in enumerate(digits.train_labels):
                 writer.add(f"digit_{i:05d}_{variant}", [caption(int(label), int(rng.integers(0, 4))), images[i]])
+        images = copy_of_digits(data["captions_per_image"])
         a_idx = pick_by_label(digits.train_labels, pairs[:, 0], rng)
         b_idx = pick_by_label(digits.train_labels, pairs[:, 1], rng)
         c_idx = pick_by_label(digits.train_labels, pairs.sum(axis=1), rng)
