@@ -49,8 +49,23 @@ def test_horizon_is_the_steps_that_fit_in_the_budget(monkeypatch):
     assert trainer.fit_loop.epoch_loop.max_steps == 2400
     schedule = trainer.lr_scheduler_configs[0].scheduler.lr_lambdas[0]
     assert schedule.decay_steps == 2400 and schedule(2399) == pytest.approx(0.1, abs=1e-5)
-    run_steps(budget, trainer, clock, 100, seconds_per_step=1.0)  # slower later: the horizon stays as measured
+
+
+def test_horizon_follows_the_rate_of_later_windows_then_settles(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(callbacks, "time", clock)
+    trainer = fake_trainer()
+    budget = TimeBudget(minutes=10, measure_steps=40, skip_steps=5, safety=1.0)
+    budget.on_train_start(trainer, None)
+    run_steps(budget, trainer, clock, 40, seconds_per_step=0.25)  # slow start (allocator, caches)
     assert budget.horizon == 2400
+    run_steps(budget, trainer, clock, 40, seconds_per_step=0.125)
+    # measured again over steps 40-80: 0.125 s per step, 585 s left -> 80 + 4,680
+    assert budget.horizon == 4760 and trainer.fit_loop.epoch_loop.max_steps == 4760
+    run_steps(budget, trainer, clock, 2480, seconds_per_step=0.125)  # windows to 1,280; 2,560 > 30% of 4,760
+    assert budget.horizon == 4760 and budget.settled
+    run_steps(budget, trainer, clock, 1000, seconds_per_step=1.0)  # slower late steps move nothing: max_time stops
+    assert budget.horizon == 4760
 
 
 def test_a_resumed_run_keeps_its_horizon(monkeypatch):
@@ -65,6 +80,8 @@ def test_a_resumed_run_keeps_its_horizon(monkeypatch):
     resumed.on_train_start(trainer, None)
     assert trainer.fit_loop.epoch_loop.max_steps == first.horizon == resumed.horizon
     assert trainer.lr_scheduler_configs[0].scheduler.lr_lambdas[0].decay_steps == first.horizon
+    run_steps(resumed, trainer, clock, 200, seconds_per_step=5.0)  # no new measurement after a resume
+    assert resumed.horizon == first.horizon
 
 
 def test_measuring_needs_steps_after_the_skipped_ones():
