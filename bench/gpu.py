@@ -1,5 +1,6 @@
-"""GPU benchmark (`bench/gpu.sh`): bf16 train-step MFU at a ~1B config (flex attention + torch.compile) and
-seconds per 512x512 image (1,024 tokens) at the chameleon-7b shape; `--dry-run` does both tiny on CPU."""
+"""GPU benchmark (`bench/gpu.sh`): bf16 train-step MFU at a ~1B config (flex attention + torch.compile), the same
+step in transformers' Chameleon side by side, and seconds per 512x512 image (1,024 tokens) at the chameleon-7b
+shape; `--dry-run` does all of it tiny on CPU."""
 
 from __future__ import annotations
 
@@ -141,6 +142,54 @@ def bench_train_step(config: FusionConfig, *, batch: int, steps: int, warmup: in
                   "data": "one random packed batch reused every step: a throughput figure; the loss falls by "
                           "memorisation (on an H200 a fresh batch still scored chance, 11.5, after 8 steps)"}
     return {"figures": figures, "config": config_out}
+
+
+def bench_reference_train_step(config: FusionConfig, *, batch: int, steps: int, warmup: int, device: torch.device,
+                               dtype: torch.dtype) -> dict:
+    """transformers' Chameleon at the same shape, batch and dtype (SDPA, eager, as its users run it): tokens/s.
+
+    It gets one whole document per row (plain causal attention, the cheapest mask) and CE without z-loss,
+    so the ratio against our packed, z-loss step is conservative.
+    """
+    from transformers import ChameleonForConditionalGeneration
+    from transformers.utils import logging as hf_logging
+
+    from fusion_model.hf_convert import to_transformers_config
+
+    hf_logging.set_verbosity_error()
+    _free(device)
+    torch.manual_seed(0)
+    hf_config = to_transformers_config(config, vocabulary_map={})
+    hf_config._attn_implementation = "sdpa"
+    with torch.device(device):  # initialise on the GPU: a 1B model's init on the host takes tens of seconds
+        model = ChameleonForConditionalGeneration(hf_config).to(dtype=dtype).train()
+    params = [p for n, p in model.named_parameters() if "vqmodel" not in n]  # the VQ encoder takes no part
+    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1,
+                                  fused=device.type == "cuda")
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, config.vocab_size, (batch, config.max_seq_len), generator=generator).to(device)
+
+    def step() -> torch.Tensor:
+        loss = model(input_ids=input_ids, labels=input_ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    q1, median, q3 = _quartiles(times)
+    tokens = batch * config.max_seq_len
+    return {"tokens_per_s": {"value": tokens / median, "unit": "tok/s", "q25": tokens / q3, "q75": tokens / q1},
+            "step_s": {"value": median, "unit": "s", "q25": q1, "q75": q3, "pairs": steps}}
 
 
 def _train_with_fallback(config: FusionConfig, batch: int, **kwargs) -> dict:
@@ -326,6 +375,17 @@ def main(argv: list[str] | None = None) -> int:
         if result is not None:
             figures[label] = result["figures"]
             config[label] = result["config"]
+            save()
+            reference_options = {k: options[k] for k in ("steps", "warmup", "device", "dtype")}
+            reference = attempt("train_step_1b_transformers", lambda: bench_reference_train_step(
+                train, batch=result["config"]["batch"], **reference_options))
+            if reference is not None:
+                ours = result["figures"]["tokens_per_s"]["value"]
+                reference["speedup_vs_transformers"] = {
+                    "value": ours / reference["tokens_per_s"]["value"], "unit": "x",
+                    "note": f"ours ({label}, packed, CE + z-loss) / transformers (eager SDPA, causal, CE)"}
+                figures["train_step_1b_transformers"] = reference
+            _free(device)  # the reference model is gone once its function returned; release its cache too
         save()
     if not args.skip_image:
         streams = [int(s) for s in args.streams.split(",") if s.strip()]

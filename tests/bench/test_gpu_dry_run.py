@@ -34,6 +34,10 @@ def test_dry_run_writes_train_and_image_figures(tmp_path):
     assert train["tokens_per_s"]["value"] > 0 and 0 < train["mfu_vs_measured_matmul"]["value"]
     assert train["step_s"]["q25"] <= train["step_s"]["value"] <= train["step_s"]["q75"]
     assert math.isfinite(body["config"]["train_step_1b"]["loss"])
+    reference = figures["train_step_1b_transformers"]  # transformers' Chameleon, same shape, side by side
+    assert reference["tokens_per_s"]["value"] > 0
+    ratio = train["tokens_per_s"]["value"] / reference["tokens_per_s"]["value"]
+    assert reference["speedup_vs_transformers"]["value"] == pytest.approx(ratio)
     image = figures["image_512px_7b"]
     assert set(image) == {"batch_1", "cfg_3_streams"}
     for stream in image.values():
