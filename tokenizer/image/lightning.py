@@ -195,7 +195,8 @@ class ImageTokenizerModule(L.LightningModule):
             experiment = getattr(logger, "experiment", None)
             if hasattr(experiment, "add_image"):
                 experiment.add_image("val/originals_vs_reconstructions", (grid + 1) / 2, self.global_step)
-        log_dir = self.trainer.log_dir
+        # without a logger Lightning's log_dir falls back to the working directory: write nothing there
+        log_dir = self.trainer.log_dir if self.loggers else None
         if log_dir:
             folder = Path(log_dir) / "images"
             folder.mkdir(parents=True, exist_ok=True)
