@@ -4,6 +4,7 @@ module as `train.py tokenizer fit`."""
 from __future__ import annotations
 
 import datetime
+import math
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,8 @@ def fit_image_tokenizer(
         loggers = [CSVLogger(str(log_dir), name="csv")]
     trainer = L.Trainer(
         max_steps=max_steps,
+        # the epochs max_steps implies (Lightning's default of -1 made the progress bar read "Epoch 4/-2")
+        max_epochs=math.ceil(max_steps / max(len(train), 1)),
         max_time=datetime.timedelta(minutes=max_minutes) if max_minutes else None,
         logger=loggers,
         enable_checkpointing=False,
