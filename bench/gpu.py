@@ -84,6 +84,30 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
+def _time_steps(step, *, steps: int, warmup: int, device: torch.device) -> tuple[list[float], float, torch.Tensor]:
+    """Run `warmup` untimed calls of `step`, then time `steps` calls (synced); return the times, the warm-up
+    seconds (compilation included) and the last call's loss."""
+    start = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    warmup_s = time.perf_counter() - start
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        loss = step()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return times, warmup_s, loss
+
+
+def _step_figures(times: list[float], tokens: int) -> dict:
+    """tokens/s and seconds per step (median with quartiles) from step times."""
+    q1, median, q3 = _quartiles(times)
+    return {"tokens_per_s": {"value": tokens / median, "unit": "tok/s", "q25": tokens / q3, "q75": tokens / q1},
+            "step_s": {"value": median, "unit": "s", "q25": q1, "q75": q3, "pairs": len(times)}}
+
+
 def bench_train_step(config: FusionConfig, *, batch: int, steps: int, warmup: int, device: torch.device,
                      dtype: torch.dtype, compile_blocks: bool, peak_measured: float) -> dict:
     """Time forward + chunked CE/z-loss + backward + clip + fused AdamW; return tokens/s, MFU and step spread."""
@@ -108,26 +132,15 @@ def bench_train_step(config: FusionConfig, *, batch: int, steps: int, warmup: in
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()  # no .item() here: a host sync per step would hide launch overhead
 
-    start = time.perf_counter()
-    for _ in range(warmup):
-        step()
-    _sync(device)
-    warmup_s = time.perf_counter() - start
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        loss = step()
-        _sync(device)
-        times.append(time.perf_counter() - start)
+    times, warmup_s, loss = _time_steps(step, steps=steps, warmup=warmup, device=device)
     if not torch.isfinite(loss):
         raise RuntimeError(f"train step gave a non-finite loss {float(loss)}; the benchmark config is broken")
-    q1, median, q3 = _quartiles(times)
     tokens = batch * seq_len
+    median = statistics.median(times)
     flops_per_s = config.flops_per_token(seq_len) * tokens / median
     peak_spec = spec_peak(device)
     figures = {
-        "tokens_per_s": {"value": tokens / median, "unit": "tok/s", "q25": tokens / q3, "q75": tokens / q1},
-        "step_s": {"value": median, "unit": "s", "q25": q1, "q75": q3, "pairs": steps},
+        **_step_figures(times, tokens),
         "model_flops_per_s": {"value": flops_per_s, "unit": "FLOP/s"},
         "mfu_vs_measured_matmul": {"value": model_flops_utilization(flops_per_s, peak_measured), "unit": "of peak"},
         "warmup_and_compile_s": {"value": warmup_s, "unit": "s"},
@@ -177,19 +190,8 @@ def bench_reference_train_step(config: FusionConfig, *, batch: int, steps: int, 
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
-    for _ in range(warmup):
-        step()
-    _sync(device)
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    q1, median, q3 = _quartiles(times)
-    tokens = batch * config.max_seq_len
-    return {"tokens_per_s": {"value": tokens / median, "unit": "tok/s", "q25": tokens / q3, "q75": tokens / q1},
-            "step_s": {"value": median, "unit": "s", "q25": q1, "q75": q3, "pairs": steps}}
+    times, _, _ = _time_steps(step, steps=steps, warmup=warmup, device=device)
+    return _step_figures(times, batch * config.max_seq_len)
 
 
 def _train_with_fallback(config: FusionConfig, batch: int, **kwargs) -> dict:

@@ -22,7 +22,7 @@ import torch
 import yaml
 
 # Bumped whenever what a stage writes changes meaning (e.g. the document layout), so old outputs are redone.
-FORMAT_VERSION = 3  # bump when a stage writes different outputs for the same configuration
+FORMAT_VERSION = 3
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs" / "demo"
 # stage -> the config sections it reads; upstream stages' keys are folded into its own key.
