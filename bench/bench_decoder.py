@@ -1,4 +1,5 @@
-"""Decoder training step (forward + backward + AdamW) tokens/s: ours vs transformers' Chameleon, and CPU MFU."""
+"""Decoder training step (forward + backward + AdamW) tokens/s: ours vs transformers' Chameleon, eager and
+compiled, side by side, with the CPU MFU of each."""
 
 from __future__ import annotations
 
@@ -7,13 +8,15 @@ import time
 
 import torch
 
-from bench.harness import compare, write_result
+from bench.harness import paired_result, time_rounds, write_result
 from fusion_model.config import FusionConfig
 from fusion_model.model import FusionModel
 
 # (preset, batch, seq_len); the smoke sizes only prove the bench runs
 SIZES = {"small": ("small", 4, 256), "medium": ("medium", 2, 512)}
 SMOKE_SIZES = {"small": ("tiny", 2, 32)}
+# "compiled" = torch.compile on every decoder layer, as the trainer's `compile: true` does (the loss stays eager)
+MODES = ("eager", "compiled")
 
 
 def _peak_flops() -> float:
@@ -23,8 +26,6 @@ def _peak_flops() -> float:
 
         return matmul_peak_flops(torch.float32, "cpu")
     except ImportError:
-        import time
-
         a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
         best = float("inf")
         for _ in range(5):
@@ -45,50 +46,58 @@ def _reference(config: FusionConfig):
     return ChameleonForConditionalGeneration(hf_config).train()
 
 
-def _steps(config: FusionConfig, batch: int, seq_len: int):
-    """Two closures doing one optimizer step each, on the same weights and the same batch."""
-    reference = _reference(config)
-    ours = FusionModel.from_transformers(reference).train()
+def _train_step(model: torch.nn.Module, loss) -> callable:
+    """One optimizer step: loss(model).backward(), then fused AdamW (the same settings on both sides)."""
+    params = [p for n, p in model.named_parameters() if "vqmodel" not in n]
+    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1, fused=True)
+
+    def step():
+        loss(model).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _steps(config: FusionConfig, batch: int, seq_len: int, modes: tuple[str, ...]) -> dict[str, callable]:
+    """`ours_<mode>` and `transformers_<mode>` steps, all starting from the same weights, on the same batch."""
+    torch._dynamo.reset()  # compiled kernels are specialised to the thread count: compile afresh for each phase
     ids = torch.randint(0, config.vocab_size, (batch, seq_len))
-    ref_params = [p for n, p in reference.named_parameters() if "vqmodel" not in n]
-    # the same fused AdamW for both, so the optimizer step (identical work) does not dilute the model ratio
-    adamw = dict(lr=1e-4, betas=(0.9, 0.95), eps=1e-5, weight_decay=0.1, fused=True)
-    opt_ref = torch.optim.AdamW(ref_params, **adamw)
-    opt_ours = torch.optim.AdamW(ours.parameters(), **adamw)
+    weights = _reference(config).state_dict()
+    steps = {}
+    for mode in modes:
+        reference = _reference(config)
+        reference.load_state_dict(weights)
+        ours = FusionModel.from_transformers(reference).train()
+        if mode == "compiled":
+            for block in ours.layers:
+                block.compile()
+            for layer in reference.model.layers:
+                layer.compile()
+        steps[f"ours_{mode}"] = _train_step(ours, lambda m: m.loss(ids)["loss"])  # CE + z-loss, fused head
+        # CE only: transformers has no z-loss
+        steps[f"transformers_{mode}"] = _train_step(reference, lambda m: m(input_ids=ids, labels=ids).loss)
+    return steps
 
-    def ours_step():
-        ours.loss(ids)["loss"].backward()  # CE + z-loss, chunked head
-        opt_ours.step()
-        opt_ours.zero_grad(set_to_none=True)
 
-    def reference_step():
-        reference(input_ids=ids, labels=ids).loss.backward()  # CE only (transformers has no z-loss)
-        opt_ref.step()
-        opt_ref.zero_grad(set_to_none=True)
-
-    return ours_step, reference_step
+def _summary(times: dict[str, list[float]], modes: tuple[str, ...], tokens: int, flops: float, peak: float) -> dict:
+    """Per mode ours vs transformers (ratio = their time / ours, per round); tokens/s and MFU of every step."""
+    figures = {mode: paired_result(times[f"ours_{mode}"], times[f"transformers_{mode}"]).as_dict() for mode in modes}
+    if "eager" in modes and "compiled" in modes:
+        # what switching on `compile: true` gains over the reference as users run it by default
+        figures["ours_compiled_vs_transformers_eager"] = paired_result(
+            times["ours_compiled"], times["transformers_eager"]).as_dict()
+    for name, seconds in times.items():
+        median = statistics.median(seconds)
+        figures[f"{name}_tokens_per_s"] = tokens / median
+        figures[f"{name}_mfu_vs_matmul_peak"] = flops / median / peak
+    return figures
 
 
 def _cpu_seconds(fn) -> float:
     start = time.process_time()
     fn()
     return time.process_time() - start
-
-
-def cpu_time_compare(ours, reference, pairs: int) -> dict:
-    """Alternate the two like harness.compare but time process CPU seconds, which other jobs on a shared,
-    oversubscribed machine inflate far less than wall time (meaningful at one thread)."""
-    ratios, ours_s, ref_s = [], [], []
-    for i in range(pairs):
-        if i % 2 == 0:
-            a, b = _cpu_seconds(ours), _cpu_seconds(reference)
-        else:
-            b, a = _cpu_seconds(reference), _cpu_seconds(ours)
-        ours_s.append(a)
-        ref_s.append(b)
-        ratios.append(b / a)
-    return {"speedup_median": statistics.median(ratios), "speedup_min": min(ratios), "speedup_max": max(ratios),
-            "ours_median_s": statistics.median(ours_s), "reference_median_s": statistics.median(ref_s)}
 
 
 def _cpu_peak_flops(size: int = 1024) -> float:
@@ -109,40 +118,37 @@ def run(smoke: bool = False) -> dict:
     torch.set_num_threads(1)  # CPU-time figures need one thread: idle spinning of a 2nd would count as work
     cpu_peak = _cpu_peak_flops()
     torch.set_num_threads(threads)
+    # the smoke run compiles in one phase only (compiling costs CI tens of seconds per model)
+    cpu_time_modes = ("eager",) if smoke else MODES
     figures, configs = {}, {}
     for label, (preset, batch, seq_len) in (SMOKE_SIZES if smoke else SIZES).items():
         config = FusionConfig.from_preset(preset, max_seq_len=seq_len)
-        ours_step, reference_step = _steps(config, batch, seq_len)
-        result = compare(ours_step, reference_step, warmup=1, min_pairs=1 if smoke else 3,
-                         max_pairs=2 if smoke else 10, max_seconds=2.0 if smoke else 30.0)
-        torch.set_num_threads(1)
-        cpu = cpu_time_compare(ours_step, reference_step, pairs=2 if smoke else 6)
-        torch.set_num_threads(threads)
         tokens = batch * seq_len
         flops = config.flops_per_token(seq_len) * tokens
-        figures[label] = {
-            "speedup_vs_transformers": result.speedup_median,
-            "speedup_q25": result.speedup_q25,
-            "speedup_q75": result.speedup_q75,
-            "pairs": result.pairs,
-            "ours_tokens_per_s": tokens / result.ours_median_s,
-            "transformers_tokens_per_s": tokens / result.reference_median_s,
-            "ours_flops_per_s": flops / result.ours_median_s,
-            "ours_mfu_vs_matmul_peak": flops / result.ours_median_s / peak,
-            "transformers_mfu_vs_matmul_peak": flops / result.reference_median_s / peak,
-            # one thread, CPU seconds: robust to other jobs on the machine
-            "cpu_time_speedup_vs_transformers": cpu["speedup_median"],
-            "cpu_time_speedup_min": cpu["speedup_min"],
-            "cpu_time_speedup_max": cpu["speedup_max"],
-            "ours_mfu_cpu_time_1thread": flops / cpu["ours_median_s"] / cpu_peak,
-            "transformers_mfu_cpu_time_1thread": flops / cpu["reference_median_s"] / cpu_peak,
-        }
+        # wall clock at the machine's threads: the headline figures
+        times = time_rounds(_steps(config, batch, seq_len, MODES), warmup=2, min_rounds=1 if smoke else 4,
+                            max_rounds=2 if smoke else 12, max_seconds=2.0 if smoke else 60.0)
+        figures[label] = _summary(times, MODES, tokens, flops, peak)
+        # one thread, process CPU seconds: robust to other jobs on a shared machine
+        torch.set_num_threads(1)
+        try:
+            times = time_rounds(_steps(config, batch, seq_len, cpu_time_modes), warmup=2,
+                                min_rounds=1 if smoke else 4, max_rounds=2 if smoke else 8,
+                                max_seconds=2.0 if smoke else 60.0, clock=time.process_time)
+        finally:
+            torch.set_num_threads(threads)
+        figures[label]["cpu_time_1thread"] = _summary(times, cpu_time_modes, tokens, flops, cpu_peak)
         configs[label] = {"preset": preset, "batch": batch, "seq_len": seq_len,
                           "parameters": config.num_parameters(), "flops_per_token": config.flops_per_token(seq_len)}
     figures["matmul_peak_flops"] = peak
     figures["matmul_peak_flops_per_cpu_second_1thread"] = cpu_peak
-    payload = {"figures": figures, "config": {"sizes": configs, "threads": threads, "dtype": "fp32",
-                                              "step": "forward + backward + fused AdamW, same weights and batch"}}
+    payload = {"figures": figures, "config": {
+        "sizes": configs, "threads": threads, "dtype": "fp32",
+        "step": "forward + backward + fused AdamW, same weights and batch; ours CE + z-loss, transformers CE only",
+        "modes": {"eager": "as written", "compiled": "torch.compile on each decoder layer; loss and optimizer eager"},
+        "ratio": "transformers seconds / ours, per round of timings in rotating order; IQR over rounds",
+        "cpu_time_1thread": "the same at 1 thread in process CPU seconds; MFU against the 1-thread matmul peak "
+                            "per CPU second"}}
     write_result("decoder", payload)
     return payload
 

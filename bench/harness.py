@@ -33,12 +33,12 @@ class PairedResult:
         return asdict(self)
 
 
-def _seconds(fn: Callable[[], object], sync: Callable[[], None] | None) -> float:
-    start = time.perf_counter()
+def _seconds(fn: Callable[[], object], sync: Callable[[], None] | None, clock: Callable[[], float]) -> float:
+    start = clock()
     fn()
     if sync is not None:
         sync()
-    return time.perf_counter() - start
+    return clock() - start
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -63,6 +63,56 @@ def compare_seconds_cap() -> float | None:
     return cap
 
 
+def time_rounds(
+    steps: dict[str, Callable[[], object]],
+    *,
+    warmup: int = 1,
+    min_rounds: int = 3,
+    max_rounds: int = 30,
+    max_seconds: float = 20.0,
+    sync: Callable[[], None] | None = None,
+    clock: Callable[[], float] | None = None,
+) -> dict[str, list[float]]:
+    """Time every step once per round, the order rotating by one each round so that none always runs
+    first or last; return each step's seconds, round by round. `clock` defaults to time.perf_counter;
+    time.process_time gives CPU seconds, which other jobs on a shared machine inflate far less."""
+    if min_rounds < 1 or max_rounds < min_rounds:
+        raise ValueError(f"need 1 <= min_rounds <= max_rounds, got min_rounds={min_rounds}, max_rounds={max_rounds}")
+    clock = clock or time.perf_counter
+    cap = compare_seconds_cap()
+    if cap is not None:
+        max_seconds = min(max_seconds, cap)
+    names = list(steps)
+    for _ in range(warmup):
+        for name in names:
+            steps[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    rounds = 0
+    deadline = time.perf_counter() + max_seconds
+    while rounds < max_rounds and (rounds < min_rounds or time.perf_counter() < deadline):
+        shift = rounds % len(names)
+        for name in names[shift:] + names[:shift]:  # with two steps: A B, B A, A B, ...
+            times[name].append(_seconds(steps[name], sync, clock))
+        rounds += 1
+    return times
+
+
+def paired_result(ours_times: list[float], reference_times: list[float]) -> PairedResult:
+    """Summarise two steps timed in the same rounds by their per-round ratios (reference / ours)."""
+    if len(ours_times) != len(reference_times) or not ours_times:
+        raise ValueError(f"need the same non-zero number of rounds, got {len(ours_times)} and {len(reference_times)}")
+    # a clock tick of 0 s would divide by zero; the smallest positive float keeps the ratio finite-ish
+    ratios = [ref / max(ours, 1e-12) for ours, ref in zip(ours_times, reference_times)]
+    return PairedResult(
+        speedup_median=statistics.median(ratios),
+        speedup_q25=_quantile(ratios, 0.25),
+        speedup_q75=_quantile(ratios, 0.75),
+        pairs=len(ratios),
+        ours_median_s=statistics.median(ours_times),
+        reference_median_s=statistics.median(reference_times),
+    )
+
+
 def compare(
     ours: Callable[[], object],
     reference: Callable[[], object],
@@ -76,33 +126,9 @@ def compare(
     """Time `ours` and `reference` alternately; the order flips each pair so neither always runs second."""
     if min_pairs < 1 or max_pairs < min_pairs:
         raise ValueError(f"need 1 <= min_pairs <= max_pairs, got min_pairs={min_pairs}, max_pairs={max_pairs}")
-    cap = compare_seconds_cap()
-    if cap is not None:
-        max_seconds = min(max_seconds, cap)
-    for _ in range(warmup):
-        ours()
-        reference()
-    ratios: list[float] = []
-    ours_times: list[float] = []
-    ref_times: list[float] = []
-    deadline = time.perf_counter() + max_seconds
-    while len(ratios) < max_pairs and (len(ratios) < min_pairs or time.perf_counter() < deadline):
-        if len(ratios) % 2 == 0:
-            t_ours, t_ref = _seconds(ours, sync), _seconds(reference, sync)
-        else:
-            t_ref, t_ours = _seconds(reference, sync), _seconds(ours, sync)
-        ours_times.append(t_ours)
-        ref_times.append(t_ref)
-        # a clock tick of 0 s would divide by zero; the smallest positive float keeps the ratio finite-ish
-        ratios.append(t_ref / max(t_ours, 1e-12))
-    return PairedResult(
-        speedup_median=statistics.median(ratios),
-        speedup_q25=_quantile(ratios, 0.25),
-        speedup_q75=_quantile(ratios, 0.75),
-        pairs=len(ratios),
-        ours_median_s=statistics.median(ours_times),
-        reference_median_s=statistics.median(ref_times),
-    )
+    times = time_rounds({"ours": ours, "reference": reference}, warmup=warmup, min_rounds=min_pairs,
+                        max_rounds=max_pairs, max_seconds=max_seconds, sync=sync)
+    return paired_result(times["ours"], times["reference"])
 
 
 def _cpu_model() -> str:

@@ -51,11 +51,62 @@ def rope_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float, dtype:
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
+class _RotateHalf(torch.autograd.Function):
+    """x * cos + rotate_half(x) * sin with a hand-written backward.
+
+    Autograd through `cat((-x2, x1))` allocates the rotated copy, and in backward a zero-filled full-size
+    tensor per slice; writing the two halves with addcmul_ takes half the time (fwd + bwd, q at T 512 on CPU).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        out = x * cos
+        out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+        out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+        ctx.save_for_backward(cos, sin)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        cos, sin = ctx.saved_tensors
+        half = grad_out.shape[-1] // 2
+        # the transpose of the rotation: d x1 = d1 cos1 + d2 sin2, d x2 = d2 cos2 - d1 sin1
+        grad = grad_out * cos
+        grad[..., :half].addcmul_(grad_out[..., half:], sin[..., half:])
+        grad[..., half:].addcmul_(grad_out[..., :half], sin[..., :half], value=-1)
+        return grad, None, None
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate (B, H, T, hd) by the position angles (rotate_half convention, as LLaMA/Chameleon)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return _RotateHalf.apply(x, cos, sin)
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up of the fused gate/up projection output, with a hand-written backward.
+
+    Autograd's version saves silu(gate) besides the projection output and `cat`s the two gradients into a
+    fresh tensor; this one saves only the projection output and writes both gradients into one buffer.
+    """
+
+    @staticmethod
+    def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        ctx.save_for_backward(gate_up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (gate_up,) = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        if torch.compiler.is_compiling():  # the compiler fuses the cat itself and wants no out= views
+            return torch.cat([torch.ops.aten.silu_backward(grad_out * up, gate), grad_out * F.silu(gate)], dim=-1)
+        grad = torch.empty_like(gate_up)
+        grad_gate, grad_up = grad.chunk(2, dim=-1)
+        torch.ops.aten.silu_backward.grad_input(grad_out * up, gate, grad_input=grad_gate)
+        torch.mul(grad_out, F.silu(gate), out=grad_up)
+        return grad
 
 
 def _one_document_per_row(document_ids: torch.Tensor) -> bool:
@@ -159,8 +210,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, T, dim) -> (B, T, dim)."""
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(_SwiGLU.apply(self.gate_up(x)))
 
 
 class Block(nn.Module):

@@ -11,6 +11,8 @@ from bench.harness import (
     RESULTS_DIR_ENV,
     PairedResult,
     compare,
+    paired_result,
+    time_rounds,
     write_result,
 )
 
@@ -81,6 +83,31 @@ def test_runner_time_cap_overrides_a_longer_max_seconds(clock, monkeypatch):
     log: list[str] = []
     result = compare(clock.taking(1, log, "A"), clock.taking(1, log, "B"), min_pairs=3, max_pairs=100, max_seconds=1e6)
     assert result.pairs == 3
+
+
+def test_time_rounds_rotates_the_order_so_no_step_is_always_first(clock):
+    log: list[str] = []
+    steps = {tag: clock.taking(1, log, tag) for tag in "ABC"}
+    times = time_rounds(steps, warmup=0, min_rounds=3, max_rounds=3)
+    assert log == ["A", "B", "C", "B", "C", "A", "C", "A", "B"]
+    assert times == {"A": [1, 1, 1], "B": [1, 1, 1], "C": [1, 1, 1]}
+
+
+def test_time_rounds_reads_the_clock_it_is_given(clock):
+    cpu = FakeClock()
+    times = time_rounds({"A": cpu.taking(0.25, [], "A"), "B": clock.taking(1, [], "B")}, warmup=0,
+                        min_rounds=2, max_rounds=2, clock=cpu)
+    # B moved only the wall clock, so on the given clock it took no time
+    assert times == {"A": [0.25, 0.25], "B": [0.0, 0.0]}
+
+
+def test_paired_result_takes_ratios_round_by_round():
+    # per-round ratios 2, 4, 1: a drift that slows both steps in round 2 cancels out
+    result = paired_result([1.0, 2.0, 4.0], [2.0, 8.0, 4.0])
+    assert (result.speedup_median, result.pairs) == (2.0, 3)
+    assert (result.ours_median_s, result.reference_median_s) == (2.0, 4.0)
+    with pytest.raises(ValueError, match="same non-zero number of rounds"):
+        paired_result([1.0], [1.0, 2.0])
 
 
 def test_bad_time_cap_names_the_variable(clock, monkeypatch):
