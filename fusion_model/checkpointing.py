@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.strategies import ModelParallelStrategy
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
@@ -71,6 +73,53 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         """Load with `weights_only=True` whatever the caller asked: checkpoints never need unpickling."""
         return load_checkpoint_file(path, map_location=map_location if map_location is not None else "cpu")
+
+
+def replace_directory(new: Path, path: Path) -> None:
+    """Move the complete directory `new` to `path`, replacing what is there.
+
+    A directory cannot be renamed over a non-empty one, so an old checkpoint first moves aside to
+    `.<name>.old`, and is deleted only once the new one is in place: a kill between the two renames
+    leaves the old checkpoint whole under that name, never a half-written one under `path`.
+    """
+    path, new = Path(path), Path(new)
+    old = path.with_name(f".{path.name}.old")
+    if old.exists():
+        shutil.rmtree(old)
+    if path.is_dir():
+        os.replace(path, old)
+    elif path.exists():
+        path.unlink()
+    os.replace(new, path)
+    _fsync_dir(path.parent)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+class AtomicModelParallelStrategy(ModelParallelStrategy):
+    """Lightning's ModelParallelStrategy (FSDP2) whose sharded checkpoints appear all at once.
+
+    With `save_distributed_checkpoint=True` every rank writes its shard into `.<name>.partial` next to
+    the target; after a barrier rank 0 renames the finished directory into place. A kill mid-write
+    leaves the previous checkpoint intact and only a `.partial` directory, which the next save removes.
+    With `save_distributed_checkpoint=False` the full state goes through the CheckpointIO
+    (AtomicCheckpointIO in `train.py fit`), atomic already.
+    """
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """Write the sharded checkpoint to a temporary directory, then rename it to `filepath` on rank 0."""
+        if not self._save_distributed_checkpoint:
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = Path(self.broadcast(filepath))  # every rank writes under rank 0's path
+        partial = path.with_name(f".{path.name}.partial")
+        if self.global_rank == 0 and partial.exists():
+            shutil.rmtree(partial)  # left by a save that was killed
+        self.barrier("atomic_checkpoint_clean")
+        super().save_checkpoint(checkpoint, partial, storage_options)
+        self.barrier("atomic_checkpoint_written")
+        if self.global_rank == 0:
+            replace_directory(partial, path)
+        self.barrier("atomic_checkpoint_renamed")
 
 
 # --- RNG states as tensors (torch.load(weights_only=True) refuses numpy arrays and arbitrary tuples) ---
