@@ -292,8 +292,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("names", nargs="*", help=f"benchmarks to run (default: all of {', '.join(discover())})")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, seconds each; results go to a temp dir")
-    parser.add_argument("--max-seconds", type=float, default=600.0,
-                        help="kill a benchmark after this long (default 600; the decoder one takes about 4 min)")
+    parser.add_argument("--max-seconds", type=float, default=900.0,
+                        help="kill a benchmark after this long (default 900; the decoder one takes about 7 min)")
     parser.add_argument(
         "--compare-seconds", type=float, default=None,
         help=f"cap every side-by-side comparison at this many seconds (sets {COMPARE_SECONDS_ENV}; 1 with --smoke)",
