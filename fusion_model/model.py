@@ -14,6 +14,32 @@ from fusion_model.config import FusionConfig
 from fusion_model.loss import fusion_loss_from_hidden
 
 
+class _RMSNorm(torch.autograd.Function):
+    """fp32 RMSNorm: aten's fused forward kernel, and a hand-written backward.
+
+    On CPU aten has no fused RMSNorm backward; autograd's version of the decomposed formula takes about
+    twelve elementwise passes, this one six (fwd + bwd 3.3 against 5.4 ms at (2, 512, 512), 1 thread).
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        y, rstd = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        x, weight, rstd = ctx.saved_tensors
+        x_hat = x * rstd
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad_y * x_hat).sum(dim=tuple(range(grad_y.dim() - 1)))
+        # d x = rstd * (g - x_hat * mean(g * x_hat)), g = grad_y * weight
+        g = grad_y * weight
+        grad_x = torch.addcmul(g, x_hat, (g * x_hat).mean(-1, keepdim=True), value=-1).mul_(rstd)
+        return grad_x, grad_weight, None
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 (as transformers' Chameleon), weight applied in the input dtype."""
 
@@ -25,8 +51,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise the last dimension."""
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # one fused kernel (forward and backward), same formula: 1.7x faster than the op-by-op form on CPU
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            if torch.compiler.is_compiling():  # the compiler fuses the formula itself
+                return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            return _RMSNorm.apply(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
 

@@ -100,10 +100,10 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         torch.testing.assert_close(a, b)
 
 
-def test_hand_written_rope_and_swiglu_backwards_pass_gradcheck():
-    """RoPE and SwiGLU have custom backwards (speed); gradcheck compares them with finite differences, on
+def test_hand_written_rope_swiglu_and_rms_norm_backwards_pass_gradcheck():
+    """RoPE, SwiGLU and RMSNorm have custom backwards (speed); gradcheck compares them with finite differences, on
     the strided views the model feeds them, and the forwards with the textbook formulas."""
-    from fusion_model.model import _SwiGLU, apply_rope, rope_cos_sin
+    from fusion_model.model import _RMSNorm, _SwiGLU, apply_rope, rope_cos_sin
 
     torch.manual_seed(0)
     cos, sin = rope_cos_sin(torch.tensor([[0, 3, 1, 7, 2]]), 6, 10000.0, torch.float64)
@@ -115,6 +115,11 @@ def test_hand_written_rope_and_swiglu_backwards_pass_gradcheck():
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(_SwiGLU.apply(gate_up), torch.nn.functional.silu(gate) * up)
     assert torch.autograd.gradcheck(_SwiGLU.apply, (gate_up,))
+    # RMSNorm (fp32 path; gradcheck in float64 runs the same formulas)
+    x = torch.randn(2, 3, 8, dtype=torch.float64, requires_grad=True)
+    weight = (1 + 0.1 * torch.randn(8, dtype=torch.float64)).requires_grad_()
+    torch.testing.assert_close(_RMSNorm.apply(x, weight, 1e-5), x * (x.pow(2).mean(-1, keepdim=True) + 1e-5).rsqrt() * weight)
+    assert torch.autograd.gradcheck(lambda a, b: _RMSNorm.apply(a, b, 1e-5), (x, weight))
 
 
 def test_compiled_blocks_give_the_same_loss_and_gradients_on_cpu():
