@@ -68,6 +68,10 @@ class FusionLightningModule(L.LightningModule):
         self._bad_in_window = False
         self._batch_idx = -1
         self._rng_to_restore: dict[str, torch.Tensor] | None = None
+        # gradient accumulation: the first micro-batch's global target weight (the unit every micro-batch's
+        # loss sum is divided by) and the window's total; the gradients are rescaled by unit / total at the step
+        self._window_unit: torch.Tensor | None = None
+        self._window_weight: torch.Tensor | None = None
         self._sharded = False
 
     # ---- model wrapping (FSDP2 / compile), called by Lightning inside the strategy's init context ----
@@ -108,7 +112,13 @@ class FusionLightningModule(L.LightningModule):
         return (out["n_text_targets"] * self.hparams.text_weight + out["n_image_targets"] * self.hparams.image_weight).float()
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """Loss of one micro-batch, scaled so that the data-parallel mean of gradients is the global token mean."""
+        """Loss of one micro-batch, scaled so that the optimizer sees the mean over every target of the step.
+
+        Ranks and accumulated micro-batches hold different numbers of targets (documents end, padding), so each
+        micro-batch contributes its loss sum over a common unit (the window's first global weight); DDP's
+        mean over ranks and Lightning's division by accumulate_grad_batches are undone here, and
+        configure_gradient_clipping rescales the summed gradients by unit / (the window's total weight).
+        """
         if self._rng_to_restore is not None:  # first batch after a resume: continue the saved RNG streams
             set_rng_state(self._rng_to_restore)
             self._rng_to_restore = None
@@ -126,7 +136,10 @@ class FusionLightningModule(L.LightningModule):
             # optimizer step itself is dropped in configure_gradient_clipping
             self._bad_in_window = True
             return sum(p.sum() for p in self.parameters()) * 0.0
-        scale = weight * self.trainer.world_size / global_weight.clamp_min(1e-12)
+        if self._window_unit is None:
+            self._window_unit, self._window_weight = global_weight.clamp_min(1e-12), global_weight.new_zeros(())
+        self._window_weight = self._window_weight + global_weight
+        scale = weight * self.trainer.world_size * self.trainer.accumulate_grad_batches / self._window_unit
         self.log_dict(
             {
                 "train/loss": loss.detach(),
@@ -155,6 +168,11 @@ class FusionLightningModule(L.LightningModule):
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Clip the global grad norm (DTensor-aware, so FSDP2 works too), log it, and drop non-finite steps."""
         params = [p for p in self.parameters() if p.grad is not None]
+        unit, total = self._window_unit, self._window_weight
+        self._window_unit = self._window_weight = None
+        if unit is not None and params and self.trainer.accumulate_grad_batches > 1:
+            # one micro-batch per step needs no rescaling: its unit is the total
+            torch._foreach_mul_([p.grad for p in params], (unit / total.clamp_min(1e-12)).to(params[0].grad.dtype))
         max_norm = float(gradient_clip_val) if gradient_clip_val else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
         if hasattr(norm, "full_tensor"):
