@@ -79,8 +79,9 @@ def _fit(tokens: Path, root: Path, steps: int, extra: list[str]) -> None:
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "FIT_THREADS": "1"}
     for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "SLURM_JOB_ID"):
         env.pop(key, None)
+    # accumulation too: its gradient rescaling must work on FSDP2's DTensor gradients
     args = fw.tiny_args(tokens, root, steps, batch_size=2, extra=[
-        f"--trainer.strategy={json.dumps(strategy)}", "--trainer.devices=1", *extra])
+        f"--trainer.strategy={json.dumps(strategy)}", "--trainer.devices=1", "--trainer.accumulate_grad_batches=2", *extra])
     result = subprocess.run([sys.executable, str(fw.HERE / "fit_worker.py"), *args], cwd=fw.REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -98,7 +99,8 @@ def test_fsdp2_sharded_checkpoints_are_directories_that_resume_to_the_same_weigh
     _fit(tokens, resumed, 4, [fw.recorder_arg(resumed / "rec"), f"--ckpt_path={step2}"])
     expected = torch.load(whole / "rec.rank0.pt", weights_only=True)
     got = torch.load(resumed / "rec.rank0.pt", weights_only=True)
-    assert got["steps"] == [3, 4] and expected["steps"] == [1, 2, 3, 4]
-    assert got["losses"] == expected["losses"][2:]
+    # the recorder logs each micro-batch with the optimizer step count after it
+    assert got["steps"] == [2, 3, 3, 4] and expected["steps"] == [0, 1, 1, 2, 2, 3, 3, 4]
+    assert got["losses"] == expected["losses"][4:]
     for name, weight in expected["weights"].items():
         torch.testing.assert_close(got["weights"][name], weight, rtol=0, atol=0, msg=name)
