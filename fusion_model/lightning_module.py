@@ -171,8 +171,8 @@ class FusionLightningModule(L.LightningModule):
         unit, total = self._window_unit, self._window_weight
         self._window_unit = self._window_weight = None
         if unit is not None and params and self.trainer.accumulate_grad_batches > 1:
-            # one micro-batch per step needs no rescaling: its unit is the total
-            # a Python float: FSDP2's gradients are DTensors, which foreach ops do not mix with plain tensors
+            # (one micro-batch per step needs none: its unit is the total.) A Python float, because FSDP2's
+            # gradients are DTensors, which foreach ops do not mix with plain tensors.
             torch._foreach_mul_([p.grad for p in params], float(unit / total.clamp_min(1e-12)))
         max_norm = float(gradient_clip_val) if gradient_clip_val else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
