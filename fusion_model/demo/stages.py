@@ -12,7 +12,6 @@ import numpy as np
 import torch
 from PIL import Image
 
-from fusion_model.checkpointing import atomic_torch_save
 from fusion_model.demo.datasets import (
     CALCULATE,
     EQUALS,
@@ -28,6 +27,7 @@ from fusion_model.demo.datasets import (
 )
 from fusion_model.demo.pipeline import write_json
 from fusion_model.demo.report import to_uint8
+from fusion_model.training.checkpointing import atomic_torch_save
 
 
 def digits_for(config: dict):
@@ -250,8 +250,8 @@ def fit_config(config: dict, out_dir: Path, vocab, progress: bool) -> dict:
         {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
          "init_args": {"dirpath": str(folder / "checkpoints"), "every_n_train_steps": 100, "save_last": True,
                        "save_top_k": 1}},
-        {"class_path": "fusion_model.callbacks.ThroughputMonitor"},
-        *([{"class_path": "fusion_model.callbacks.TimeBudget", "init_args": {"minutes": minutes}}] if auto_steps else []),
+        {"class_path": "fusion_model.training.callbacks.ThroughputMonitor"},
+        *([{"class_path": "fusion_model.training.callbacks.TimeBudget", "init_args": {"minutes": minutes}}] if auto_steps else []),
         {"class_path": "fusion_model.demo.recorder.LossRecorder",
          "init_args": {"path": str(folder / "losses.json"), "log_every": settings["log_every"]}},
     ]
@@ -281,7 +281,7 @@ def run_train(config: dict, out_dir: Path, progress: bool = True) -> dict:
     """Pretrain the decoder through `train.py fit`'s LightningCLI; resumes from the last checkpoint if interrupted."""
     import yaml
 
-    from fusion_model.train_cli import fit_from_config
+    from fusion_model.cli.fit import fit_from_config
 
     folder = out_dir / "train"
     folder.mkdir(parents=True, exist_ok=True)

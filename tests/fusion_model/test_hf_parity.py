@@ -7,8 +7,8 @@ transformers = pytest.importorskip("transformers", reason="transformers (dev ext
 from transformers import ChameleonConfig, ChameleonForConditionalGeneration, ChameleonModel  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
+from fusion_model.cli.convert import main as convert_main  # noqa: E402
 from fusion_model.config import FusionConfig  # noqa: E402
-from fusion_model.convert_cli import main as convert_main  # noqa: E402
 from fusion_model.hf_convert import PLACEHOLDER_VQ_CONFIG, image_block, image_token_name  # noqa: E402
 from fusion_model.model import FusionModel  # noqa: E402
 

@@ -71,7 +71,7 @@ def test_bf16_autocast_stays_close_to_fp32():
 def test_lightning_bf16_mixed_fit_lowers_the_loss():
     import lightning as L
 
-    from fusion_model.lightning_module import FusionLightningModule
+    from fusion_model.training.lightning_module import FusionLightningModule
 
     config = small_config(attention_backend="flex")
     ids, pos, docs = packed_batch(config, batch=4)

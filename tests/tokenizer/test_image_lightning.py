@@ -13,8 +13,8 @@ import yaml
 from PIL import Image
 from safetensors.torch import save_file
 
+from fusion_model.cli.tokenizer import main
 from tokenizer.image import ImageTokenizer, ImageTokenizerConfig
-from tokenizer.image.cli import main
 from tokenizer.image.lightning import ImageDataModule, ImageTokenizerModule
 from tokenizer.image.losses import _VGG16_CONVS
 from tokenizer.image.train import fit_image_tokenizer

@@ -12,7 +12,7 @@ import pytest
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from fusion_model.checkpointing import AtomicModelParallelStrategy
+from fusion_model.training.checkpointing import AtomicModelParallelStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fit_worker as fw  # noqa: E402
@@ -74,7 +74,7 @@ def _free_port() -> int:
 
 
 def _fit(tokens: Path, root: Path, steps: int, extra: list[str]) -> None:
-    strategy = {"class_path": "fusion_model.checkpointing.AtomicModelParallelStrategy",
+    strategy = {"class_path": "fusion_model.training.checkpointing.AtomicModelParallelStrategy",
                 "init_args": {"save_distributed_checkpoint": True}}
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "FIT_THREADS": "1"}
     for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "SLURM_JOB_ID"):

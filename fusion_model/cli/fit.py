@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.cli import LightningCLI
 
 from fusion_model.config import FusionConfig
-from fusion_model.lightning_module import FusionLightningModule, NonFiniteLossError
+from fusion_model.training.lightning_module import FusionLightningModule, NonFiniteLossError
 
 
 class StartupError(ValueError):
@@ -159,7 +159,7 @@ class FusionCLI(LightningCLI):
     def add_arguments_to_parser(self, parser) -> None:
         """Every option stays settable from the command line; the YAML presets fill them in."""
         parser.set_defaults({
-            "trainer.plugins": [{"class_path": "fusion_model.checkpointing.AtomicCheckpointIO"}],
+            "trainer.plugins": [{"class_path": "fusion_model.training.checkpointing.AtomicCheckpointIO"}],
             # the stream splits the data by rank itself; a re-built DataLoader would lose its resumable state
             "trainer.use_distributed_sampler": False,
         })

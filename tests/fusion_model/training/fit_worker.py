@@ -1,6 +1,6 @@
 """Helpers for the training tests: tiny token shards, a recording callback, and a `train.py fit` subprocess entry.
 
-Run as `python tests/fusion_model/fit_worker.py [fit options...]`: trains like `train.py fit`; add `recorder_arg(...)`
+Run as `python tests/fusion_model/training/fit_worker.py [fit options...]`: trains like `train.py fit`; add `recorder_arg(...)`
 to write OUT_PREFIX.rank<R>.pt (losses, batches seen, final full weights) when training ends.
 """
 
@@ -16,7 +16,7 @@ import lightning as L
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 HERE = Path(__file__).resolve().parent
 
 TINY = dict(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64, dropout=0.0)
@@ -111,7 +111,7 @@ def recorder_arg(out_prefix: str | Path, hang_after_step: int = -1) -> str:
 
 def run_in_process(args: list[str]):
     """Train in this process (the same code path as the subprocess); returns the LightningCLI object."""
-    from fusion_model.train_cli import fit_from_config
+    from fusion_model.cli.fit import fit_from_config
 
     return fit_from_config(None, args)
 
@@ -119,6 +119,6 @@ def run_in_process(args: list[str]):
 if __name__ == "__main__":
     torch.set_num_threads(int(os.environ.get("FIT_THREADS", "1")))
     sys.path.insert(0, str(HERE))  # so the CLI can import fit_worker.Recorder
-    from fusion_model.train_cli import main
+    from fusion_model.cli.fit import main
 
     sys.exit(main(sys.argv[1:]))

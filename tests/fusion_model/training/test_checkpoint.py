@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from fusion_model.checkpointing import (
+from fusion_model.training.checkpointing import (
     AtomicCheckpointIO,
     atomic_torch_save,
     load_checkpoint_file,
@@ -20,14 +20,14 @@ from fusion_model.checkpointing import (
     set_rng_state,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 # The child saves checkpoint 1 normally, then starts checkpoint 2 with a torch.save that stops halfway
 # through writing its bytes (and says so), so the SIGKILL lands in the middle of the write for certain.
 CHILD = r"""
 import sys, time, torch
 from pathlib import Path
-from fusion_model.checkpointing import AtomicCheckpointIO
+from fusion_model.training.checkpointing import AtomicCheckpointIO
 path, marker = sys.argv[1], Path(sys.argv[2])
 io = AtomicCheckpointIO()
 io.save_checkpoint({"version": 1, "w": torch.full((250_000,), 1.0)}, path)

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusion_model.lightning_module import FusionLightningModule
-from fusion_model.train_cli import main
+from fusion_model.cli.fit import main
+from fusion_model.training.lightning_module import FusionLightningModule
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
 import fit_worker as fw  # noqa: E402
 
 TINY_YAML = str(fw.REPO / "configs/fusion/tiny.yaml")
@@ -29,7 +29,7 @@ def test_print_config_shows_presets_and_command_line_overrides(capsys):
     printed = capsys.readouterr().out
     assert "lr: 0.125" in printed and "seq_len: 48" in printed
     assert "lr_schedule: exponential" in printed and "gradient_clip_val: 1.0" in printed
-    assert "fusion_model.checkpointing.AtomicCheckpointIO" in printed
+    assert "fusion_model.training.checkpointing.AtomicCheckpointIO" in printed
 
 
 @pytest.mark.parametrize("preset", ["chameleon-7b", "chameleon-34b", "small"])
@@ -40,7 +40,7 @@ def test_presets_parse_and_carry_the_papers_recipe(preset, capsys):
     assert "z_loss_coef: 1.0e-05" in printed and "weight_decay: 0.1" in printed and "eps: 1.0e-05" in printed
     if preset.startswith("chameleon"):
         assert "seq_len: 4096" in printed and "warmup_steps: 4000" in printed and "vocab_size: 65536" in printed
-        assert "fusion_model.checkpointing.AtomicModelParallelStrategy" in printed  # sharded saves renamed into place
+        assert "fusion_model.training.checkpointing.AtomicModelParallelStrategy" in printed  # sharded saves renamed into place
 
 
 def _fit_error(args, capsys) -> str:
@@ -143,7 +143,7 @@ def test_every_step_logs_losses_lr_grad_norm_throughput_and_validation(tokens, t
     val = fw.make_token_dir(tmp_path / "val", n_docs=8, seed=1)
     logger = [{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path), "name": "csv"}},
               {"class_path": "lightning.pytorch.loggers.TensorBoardLogger", "init_args": {"save_dir": str(tmp_path), "name": "tb"}}]
-    callbacks = [{"class_path": "fusion_model.callbacks.ThroughputMonitor", "init_args": {"peak_flops": 1e12}}]
+    callbacks = [{"class_path": "fusion_model.training.callbacks.ThroughputMonitor", "init_args": {"peak_flops": 1e12}}]
     args = fw.tiny_args(tokens, tmp_path, 4, extra=[
         f"--data.val_dir={val}", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=2",
         f"--trainer.logger={json.dumps(logger)}", f"--trainer.callbacks={json.dumps(callbacks)}",
@@ -169,7 +169,7 @@ def test_sample_writer_writes_samples_at_its_interval(tmp_path):
     vocab = train_unified_vocab(["a gray square number", "and some words"] * 50, vocab_size=512, image_codes=64)
     vocab.save(tmp_path / "tokenizer.json")
     tokens = fw.make_token_dir(tmp_path / "tokens", vocab_size=512, vocab_fingerprint=vocab.fingerprint())
-    writer = {"class_path": "fusion_model.callbacks.SampleWriter",
+    writer = {"class_path": "fusion_model.training.callbacks.SampleWriter",
               "init_args": {"tokenizer": str(tmp_path / "tokenizer.json"), "prompts": ["a gray", ""], "every_n_steps": 2,
                             "max_new_tokens": 6}}
     args = fw.tiny_args(tokens, tmp_path, 3, extra=["--model.config.vocab_size=512", f"--model.config.image_offset={vocab.image_offset}",

@@ -8,9 +8,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-import train
-from data_shards.cli import build_parser
 from data_shards.token_shards import read_manifest
+from fusion_model import cli
+from fusion_model.cli.shards import build_parser
 from tokenizer.image import ImageTokenizer, ImageTokenizerConfig
 from tokenizer.vocab import train_unified_vocab
 
@@ -35,7 +35,7 @@ def test_write_tokenize_inspect(tmp_path, capsys):
     (tmp_path / "book.txt").write_text("a gray square and some words")
 
     raw = tmp_path / "raw"
-    assert train.main(["shards", "write", str(raw), "--image-folder", str(folder), "--text",
+    assert cli.main(["shards", "write", str(raw), "--image-folder", str(folder), "--text",
                        str(tmp_path / "book.txt"), "--shard-max-docs", "2"]) == 0
     assert "wrote 4 documents (3 images) in 2 shards" in capsys.readouterr().out
     assert json.loads((raw / "manifest.json").read_text())["skipped"][0]["key"] == "bad"
@@ -47,31 +47,31 @@ def test_write_tokenize_inspect(tmp_path, capsys):
                                   num_res_blocks=1, latent_channels=8, norm_groups=4, codebook_size=64)
     ImageTokenizer(config).save_pretrained(tmp_path / "vq")
     tokens = tmp_path / "tokens"
-    assert train.main(["shards", "tokenize", str(raw), str(tokens), "--vocab", str(vocab_path),
+    assert cli.main(["shards", "tokenize", str(raw), str(tokens), "--vocab", str(vocab_path),
                        "--image-tokenizer", str(tmp_path / "vq"), "--no-progress"]) == 0
     manifest = read_manifest(tokens)
     assert (manifest["documents"], manifest["images"], manifest["grid_shape"]) == (4, 3, [4, 4])
 
     capsys.readouterr()
-    assert train.main(["shards", "inspect", str(tokens), "--show", "2", "--vocab", str(vocab_path)]) == 0
+    assert cli.main(["shards", "inspect", str(tokens), "--show", "2", "--vocab", str(vocab_path)]) == 0
     out = capsys.readouterr().out
     assert "<image (4, 4)>" in out and "a gray square number" in out
-    assert train.main(["shards", "inspect", str(raw), "--show", "1"]) == 0
+    assert cli.main(["shards", "inspect", str(raw), "--show", "1"]) == 0
     assert "<image" in capsys.readouterr().out
 
 
 def test_write_without_sources_is_a_usage_error(tmp_path, capsys):
-    assert train.main(["shards", "write", str(tmp_path / "raw")]) == 2
+    assert cli.main(["shards", "write", str(tmp_path / "raw")]) == 2
     assert "give at least one source" in capsys.readouterr().err
 
 
 def test_strict_write_stops_at_a_bad_image(tmp_path, capsys):
     (tmp_path / "bad.png").write_bytes(b"nope")
     (tmp_path / "bad.txt").write_text("bad")
-    assert train.main(["shards", "write", str(tmp_path / "raw"), "--image-folder", str(tmp_path), "--strict"]) == 1
+    assert cli.main(["shards", "write", str(tmp_path / "raw"), "--image-folder", str(tmp_path), "--strict"]) == 1
     assert "sample 'bad' rejected" in capsys.readouterr().err
 
 
 def test_tokenize_of_a_missing_directory_says_what_to_run(tmp_path, capsys):
-    code = train.main(["shards", "tokenize", str(tmp_path / "nope"), str(tmp_path / "out"), "--vocab", "x.json"])
+    code = cli.main(["shards", "tokenize", str(tmp_path / "nope"), str(tmp_path / "out"), "--vocab", "x.json"])
     assert code == 1 and "run `shards write`" in capsys.readouterr().err

@@ -7,7 +7,7 @@ import torch
 
 from fusion_model.config import FusionConfig
 from fusion_model.model import FusionModel
-from fusion_model.optim import WarmupDecay, build_adamw, build_scheduler, param_groups
+from fusion_model.training.optim import WarmupDecay, build_adamw, build_scheduler, param_groups
 
 
 def test_weight_decay_only_on_projection_and_embedding_matrices():

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-import train
+from fusion_model import cli
+from fusion_model.cli.vocab import build_parser, main
 from tokenizer.vocab import UnifiedVocab
-from tokenizer.vocab_cli import build_parser, main
 
 
 def test_help_explains_every_option(capsys):
     with pytest.raises(SystemExit) as exit_:
-        train.main(["vocab", "--help"])
+        cli.main(["vocab", "--help"])
     assert exit_.value.code == 0
     text = capsys.readouterr().out
     for action in build_parser()._actions:

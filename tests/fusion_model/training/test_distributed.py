@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from data_shards.stream import PackedTokenStream
-from fusion_model.train_cli import main
+from fusion_model.cli.fit import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fit_worker as fw  # noqa: E402

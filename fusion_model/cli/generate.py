@@ -87,7 +87,7 @@ def parser() -> argparse.ArgumentParser:
 
 def load_model(path: str, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Path | None]:
     """The decoder from a .ckpt file or a transformers directory; also that directory's tokenizer.json if any."""
-    from fusion_model.convert_cli import load_checkpoint_model
+    from fusion_model.cli.convert import load_checkpoint_model
     from fusion_model.model import FusionModel
 
     source = Path(path)

@@ -8,10 +8,10 @@ from typing import Any
 import lightning as L
 import torch
 
-from fusion_model.checkpointing import rng_state, set_rng_state
 from fusion_model.config import FusionConfig
 from fusion_model.model import FusionModel
-from fusion_model.optim import WarmupDecay, build_adamw, build_scheduler
+from fusion_model.training.checkpointing import rng_state, set_rng_state
+from fusion_model.training.optim import WarmupDecay, build_adamw, build_scheduler
 
 NONFINITE_POLICIES = ("stop", "skip")
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from PIL import Image
 
+from fusion_model.cli.convert import save_checkpoint_model
+from fusion_model.cli.generate import main, parser
 from fusion_model.config import FusionConfig
-from fusion_model.convert_cli import save_checkpoint_model
-from fusion_model.generate_cli import main, parser
 from fusion_model.model import FusionModel
 from tokenizer.image import ImageTokenizer, ImageTokenizerConfig
 from tokenizer.vocab import train_unified_vocab
@@ -94,7 +94,7 @@ def test_bad_input_is_reported_with_what_to_do(files, tmp_path, capsys):
 
 
 def test_a_transformers_export_loads_with_its_bundled_tokenizer_and_samples_the_same(files, tmp_path):
-    from fusion_model.convert_cli import export_transformers
+    from fusion_model.cli.convert import export_transformers
 
     export_transformers(str(files / "model.ckpt"), str(tmp_path / "hf"), vocab=str(files / "tokenizer.json"))
     common = ["--prompt", "the cat", "--mode", "text", "--max-new-tokens", "6", "--text-temperature", "0"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fusion_model.config import FusionConfig
-from fusion_model.lightning_module import FusionLightningModule
+from fusion_model.training.lightning_module import FusionLightningModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fit_worker as fw  # noqa: E402
@@ -58,7 +58,7 @@ def test_hyperparameters_are_plain_values_and_rebuild_the_module():
 
 
 def test_precision_defaults_to_fp32_on_cpu_and_the_schedule_needs_a_horizon(tmp_path):
-    from fusion_model.train_cli import fit_from_config
+    from fusion_model.cli.fit import fit_from_config
 
     tokens = fw.make_token_dir(tmp_path / "tokens")
     args = fw.tiny_args(tokens, tmp_path, 5)

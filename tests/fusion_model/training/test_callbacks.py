@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fusion_model import callbacks
-from fusion_model.callbacks import TimeBudget
-from fusion_model.optim import WarmupDecay, build_scheduler
+from fusion_model.training import callbacks
+from fusion_model.training.callbacks import TimeBudget
+from fusion_model.training.optim import WarmupDecay, build_scheduler
 
 
 class FakeClock:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from fusion_model.train_cli import main
+from fusion_model.cli.fit import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fit_worker as fw  # noqa: E402

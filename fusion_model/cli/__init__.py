@@ -1,0 +1,61 @@
+"""The command line: one subcommand per pipeline step (`python train.py --help`), one exit-code rule."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module exposing `main(argv: list[str]) -> int | None`, one-line help).
+# Modules are imported only when their subcommand runs, so `--help` stays instant.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "vocab": ("fusion_model.cli.vocab", "train the BPE text vocabulary and merge it with the image codes"),
+    "tokenizer": ("fusion_model.cli.tokenizer", "train / validate / export the VQ image tokenizer (LightningCLI)"),
+    "shards": ("fusion_model.cli.shards", "write raw webdataset shards and pre-tokenize them into token shards"),
+    "fit": ("fusion_model.cli.fit", "pretrain the fused decoder on token shards (LightningCLI)"),
+    "generate": ("fusion_model.cli.generate", "sample mixed text-and-image sequences from a checkpoint"),
+    "convert": ("fusion_model.cli.convert", "import from / export to transformers' Chameleon format"),
+    "demo": ("fusion_model.demo.pipeline", "run the end-to-end demo on built-in offline data, with a report"),
+}
+
+# Bad input (a missing file, a wrong value, a mismatched vocabulary) exits 2 with one line naming what to change,
+# as argparse does for a bad flag; a run that fails after it started (e.g. a NaN loss) exits 1.
+BAD_INPUT_EXIT = 2
+BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError)
+
+
+def usage() -> str:
+    """Return the top-level help text."""
+    width = max(len(name) for name in SUBCOMMANDS)
+    lines = [
+        "usage: python train.py <command> [options]",
+        "",
+        "Early-fusion (Chameleon-style) multimodal training, one step per command:",
+        "",
+    ]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += [
+        "",
+        "Run `python train.py <command> --help` for the options of a command. The same things have the same",
+        "flags everywhere: --checkpoint, --vocab (tokenizer.json), --image-tokenizer (bundle directory), --out.",
+        "Bad input exits with code 2 and one line saying what to change.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch to the subcommand's module; bad input becomes one line on stderr and exit code 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in {"-h", "--help", "help"}:
+        print(usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in SUBCOMMANDS:
+        print(f"train.py: unknown command {name!r}; choose one of: {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+        return BAD_INPUT_EXIT
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    try:
+        code = module.main(rest)
+    except BAD_INPUT_ERRORS as error:
+        print(f"train.py {name}: {error}", file=sys.stderr)
+        return BAD_INPUT_EXIT
+    return int(code or 0)
