@@ -10,7 +10,7 @@ import torch
 
 from bench.harness import paired_result, time_rounds, write_result
 from fusion_model.config import FusionConfig
-from fusion_model.model import FusionModel
+from fusion_model.hf_convert import from_transformers
 
 # "compiled" = torch.compile on every decoder layer, as the trainer's `compile: true` does (the loss stays eager)
 MODES = ("eager", "compiled")
@@ -74,7 +74,7 @@ def _steps(config: FusionConfig, batch: int, seq_len: int, modes: tuple[str, ...
     for mode in modes:
         reference = _reference(config)
         reference.load_state_dict(weights)
-        ours = FusionModel.from_transformers(reference).train()
+        ours = from_transformers(reference).train()
         if mode == "compiled":
             for block in ours.layers:
                 block.compile()

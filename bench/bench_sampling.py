@@ -33,12 +33,12 @@ def _models(config: FusionConfig):
     """transformers' Chameleon and ours with the same weights (ours imported from it)."""
     from transformers import ChameleonForConditionalGeneration
 
-    from fusion_model.hf_convert import to_transformers_config
+    from fusion_model.hf_convert import from_transformers, to_transformers_config
 
     hf_config = to_transformers_config(config, vocabulary_map={})
     hf_config._attn_implementation = "sdpa"
     reference = ChameleonForConditionalGeneration(hf_config).eval()
-    ours = FusionModel.from_transformers(reference, image_offset=config.image_offset, image_codes=config.image_codes)
+    ours = from_transformers(reference, image_offset=config.image_offset, image_codes=config.image_codes)
     return reference, ours.eval()
 
 

@@ -401,16 +401,3 @@ class FusionModel(nn.Module):
     def num_parameters(self) -> int:
         """Number of parameters (equals config.num_parameters())."""
         return sum(p.numel() for p in self.parameters())
-
-    @classmethod
-    def from_transformers(cls, hf_model, **config_overrides) -> FusionModel:
-        """Import a transformers ChameleonForConditionalGeneration / ChameleonModel (weights copied)."""
-        from fusion_model.hf_convert import from_transformers
-
-        return from_transformers(hf_model, **config_overrides)
-
-    def to_transformers(self, directory, image_tokenizer=None, vocab=None):
-        """Export as a transformers ChameleonForConditionalGeneration directory (config.json + safetensors)."""
-        from fusion_model.hf_convert import to_transformers
-
-        return to_transformers(self, directory, image_tokenizer=image_tokenizer, vocab=vocab)

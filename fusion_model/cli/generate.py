@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from fusion_model.checkpoint import load_model
 from fusion_model.sample_output import write_samples
 from fusion_model.sampling import MODES, SamplingConfig, generate
 
@@ -85,27 +86,6 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_model(path: str, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, Path | None]:
-    """The decoder from a .ckpt file or a transformers directory; also that directory's tokenizer.json if any."""
-    from fusion_model.cli.convert import load_checkpoint_model
-    from fusion_model.model import FusionModel
-
-    source = Path(path)
-    if source.is_dir():
-        if not (source / "config.json").is_file():
-            raise FileNotFoundError(f"--checkpoint {source} is a directory without config.json; give a .ckpt file "
-                                    "or a directory written by `train.py convert export`")
-        from transformers import ChameleonForConditionalGeneration
-
-        hf_model = ChameleonForConditionalGeneration.from_pretrained(source, local_files_only=True, dtype=torch.float32)
-        model = FusionModel.from_transformers(hf_model)
-        vocab = source / "tokenizer.json"
-        found = vocab if vocab.is_file() else None
-    else:
-        model, found = load_checkpoint_model(source), None
-    return model.to(device=device, dtype=dtype).eval(), found
-
-
 def read_prompts(args: argparse.Namespace) -> list[list[Any]]:
     """Prompts from --prompt/--image and --prompts-file, each a list of str / Path segments."""
     prompts: list[list[Any]] = []
@@ -155,8 +135,9 @@ def run(args: argparse.Namespace) -> dict[str, Path]:
     config = sampling_config(args)
     prompts = [p for p in read_prompts(args) for _ in range(args.num_samples)]
     dtype = getattr(torch, args.dtype)
-    model, bundled_vocab = load_model(args.checkpoint, args.device, dtype)
-    vocab_path = args.vocab or bundled_vocab
+    model = load_model(args.checkpoint).to(device=args.device, dtype=dtype).eval()
+    bundled_vocab = Path(args.checkpoint) / "tokenizer.json"  # a transformers directory carries its vocabulary
+    vocab_path = args.vocab or (bundled_vocab if bundled_vocab.is_file() else None)
     if vocab_path is None:
         raise ValueError("--vocab is required: pass the tokenizer.json the checkpoint was trained with")
     vocab = UnifiedVocab.load(vocab_path)

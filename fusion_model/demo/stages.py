@@ -27,7 +27,7 @@ from fusion_model.demo.datasets import (
 )
 from fusion_model.demo.pipeline import write_json
 from fusion_model.demo.report import to_uint8
-from fusion_model.training.checkpointing import atomic_torch_save
+from tokenizer.files import atomic_torch_save
 
 
 def digits_for(config: dict):
@@ -272,7 +272,7 @@ def fit_config(config: dict, out_dir: Path, vocab, progress: bool) -> dict:
                   "warmup_steps": settings["warmup_steps"], "lr_schedule": "cosine", "min_lr_ratio": 0.1},
         "data": {"train_dir": str(out_dir / "shards" / "tokens"), "val_dir": None, "seq_len": settings["seq_len"],
                  "batch_size": settings["batch_size"], "num_workers": 0, "seed": config["seed"],
-                 "tokenizer": str(out_dir / "vocab" / "tokenizer.json"),
+                 "vocab": str(out_dir / "vocab" / "tokenizer.json"),
                  "image_tokenizer": str(out_dir / "tokenizer" / "model")},
     }
 

@@ -5,7 +5,6 @@ Everything written here loads with `torch.load(path, weights_only=True)`: no num
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 from pathlib import Path
@@ -16,49 +15,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-
-def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
-    """Write `obj` with torch.save to `path` so that readers see either the old file or the complete new one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before the rename makes them visible
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    _fsync_dir(path.parent)  # the rename itself is durable
-
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # some file systems (and Windows) do not open directories
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def load_checkpoint_file(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
-    """Load a checkpoint with `weights_only=True`, naming the file in the error if it is not a safe checkpoint."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {path} does not exist (pass an existing .ckpt file to --ckpt_path)")
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as err:  # noqa: BLE001 - re-raised with the file name and what to do
-        raise RuntimeError(
-            f"checkpoint {path} could not be loaded with torch.load(weights_only=True): {err}. "
-            "It is truncated or holds pickled objects; resume from an earlier checkpoint."
-        ) from err
+from tokenizer.files import atomic_torch_save, load_checkpoint_file, replace_directory
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -73,27 +30,6 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
         """Load with `weights_only=True` whatever the caller asked: checkpoints never need unpickling."""
         return load_checkpoint_file(path, map_location=map_location if map_location is not None else "cpu")
-
-
-def replace_directory(new: Path, path: Path) -> None:
-    """Move the complete directory `new` to `path`, replacing what is there.
-
-    A directory cannot be renamed over a non-empty one, so an old checkpoint first moves aside to
-    `.<name>.old`, and is deleted only once the new one is in place: a kill between the two renames
-    leaves the old checkpoint whole under that name, never a half-written one under `path`.
-    """
-    path, new = Path(path), Path(new)
-    old = path.with_name(f".{path.name}.old")
-    if old.exists():
-        shutil.rmtree(old)
-    if path.is_dir():
-        os.replace(path, old)
-    elif path.exists():
-        path.unlink()
-    os.replace(new, path)
-    _fsync_dir(path.parent)
-    if old.exists():
-        shutil.rmtree(old)
 
 
 class AtomicModelParallelStrategy(ModelParallelStrategy):

@@ -9,7 +9,13 @@ from transformers.utils import logging as hf_logging  # noqa: E402
 
 from fusion_model.cli.convert import main as convert_main  # noqa: E402
 from fusion_model.config import FusionConfig  # noqa: E402
-from fusion_model.hf_convert import PLACEHOLDER_VQ_CONFIG, image_block, image_token_name  # noqa: E402
+from fusion_model.hf_convert import (  # noqa: E402
+    PLACEHOLDER_VQ_CONFIG,
+    from_transformers,
+    image_block,
+    image_token_name,
+    to_transformers,
+)
 from fusion_model.model import FusionModel  # noqa: E402
 
 hf_logging.set_verbosity_error()  # exports without an image tokenizer leave the VQ encoder uninitialised
@@ -68,7 +74,7 @@ def test_image_block_is_read_from_the_vocabulary_map():
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 def test_same_function_as_transformers_at_equal_weights(swin, kv_heads):
     reference = hf_model(swin, kv_heads)
-    ours = FusionModel.from_transformers(reference).eval()
+    ours = from_transformers(reference).eval()
     assert ours.config.norm_placement == ("swin" if swin else "pre") and ours.config.kv_heads == kv_heads
     assert (ours.config.image_offset, ours.config.image_codes) == (OFFSET, CODES)
     ids = mixed_ids()
@@ -85,7 +91,7 @@ def test_same_function_as_transformers_at_equal_weights(swin, kv_heads):
 
 def test_bare_chameleon_model_imports_with_equal_hidden_states():
     reference = hf_model(False, 2, cls=ChameleonModel)
-    ours = FusionModel.from_transformers(reference).eval()
+    ours = from_transformers(reference).eval()
     ids = mixed_ids(1, 20)
     with torch.no_grad():
         torch.testing.assert_close(ours.forward_hidden(ids), reference(input_ids=ids).last_hidden_state)
@@ -93,7 +99,7 @@ def test_bare_chameleon_model_imports_with_equal_hidden_states():
 
 def test_packed_row_equals_transformers_on_each_document():
     reference = hf_model(True, 2)
-    ours = FusionModel.from_transformers(reference).eval()
+    ours = from_transformers(reference).eval()
     a, b = mixed_ids(1, 20), mixed_ids(1, 24)
     docs = torch.tensor([[0] * 20 + [1] * 24])
     with torch.no_grad():
@@ -104,7 +110,7 @@ def test_packed_row_equals_transformers_on_each_document():
 
 def test_export_loads_with_from_pretrained_and_gives_the_same_logits(tmp_path):
     ours = FusionModel(FusionConfig.from_preset("tiny", image_offset=OFFSET, image_codes=CODES)).eval()
-    ours.to_transformers(tmp_path)
+    to_transformers(ours, tmp_path)
     loaded = ChameleonForConditionalGeneration.from_pretrained(tmp_path, local_files_only=True).eval()
     ids = mixed_ids()
     with torch.no_grad():
@@ -116,7 +122,7 @@ def test_export_loads_with_from_pretrained_and_gives_the_same_logits(tmp_path):
 
 def test_import_then_export_is_exact(tmp_path):
     reference = hf_model(False, 2)
-    FusionModel.from_transformers(reference).to_transformers(tmp_path)
+    to_transformers(from_transformers(reference), tmp_path)
     from safetensors.torch import load_file
 
     written = load_file(tmp_path / "model.safetensors")
@@ -128,8 +134,8 @@ def test_import_then_export_is_exact(tmp_path):
 
 def test_export_includes_the_vq_encoder_of_a_chameleon_vqvae(tmp_path):
     reference = hf_model(False, 4)
-    ours = FusionModel.from_transformers(reference)
-    ours.to_transformers(tmp_path, image_tokenizer=reference.model.vqmodel)
+    ours = from_transformers(reference)
+    to_transformers(ours, tmp_path, image_tokenizer=reference.model.vqmodel)
     loaded = ChameleonForConditionalGeneration.from_pretrained(tmp_path, local_files_only=True)
     for key, value in reference.model.vqmodel.state_dict().items():
         assert torch.equal(loaded.model.vqmodel.state_dict()[key], value), key
@@ -138,7 +144,7 @@ def test_export_includes_the_vq_encoder_of_a_chameleon_vqvae(tmp_path):
 def test_export_rejects_an_image_tokenizer_it_cannot_map(tmp_path):
     ours = FusionModel(FusionConfig.from_preset("tiny"))
     with pytest.raises(TypeError, match="Chameleon-layout"):
-        ours.to_transformers(tmp_path, image_tokenizer=torch.nn.Linear(2, 2))
+        to_transformers(ours, tmp_path, image_tokenizer=torch.nn.Linear(2, 2))
 
 
 def test_convert_cli_import_and_export_round_trip(tmp_path, capsys):
@@ -159,7 +165,7 @@ def test_export_includes_the_vq_encoder_of_our_chameleon_layout_image_tokenizer(
 
     reference = hf_model(False, 2)
     image_tokenizer = ImageTokenizer.from_transformers(reference.model.vqmodel)
-    FusionModel.from_transformers(reference).to_transformers(tmp_path, image_tokenizer=image_tokenizer)
+    to_transformers(from_transformers(reference), tmp_path, image_tokenizer=image_tokenizer)
     loaded = ChameleonForConditionalGeneration.from_pretrained(tmp_path, local_files_only=True)
     exported = loaded.model.vqmodel.state_dict()
     for key, value in reference.model.vqmodel.state_dict().items():
@@ -172,7 +178,7 @@ def test_export_with_the_unified_vocabulary_names_every_token(tmp_path):
     vocab = train_unified_vocab(["a small gray cat sat on the mat"] * 20, vocab_size=512, image_codes=128)
     config = FusionConfig.from_preset("tiny", vocab_size=vocab.vocab_size, image_offset=vocab.image_offset,
                                       image_codes=vocab.image_codes)
-    FusionModel(config).to_transformers(tmp_path, vocab=vocab)
+    to_transformers(FusionModel(config), tmp_path, vocab=vocab)
     assert (tmp_path / "tokenizer.json").is_file()
     loaded = ChameleonForConditionalGeneration.from_pretrained(tmp_path, local_files_only=True)
     assert len(loaded.config.vocabulary_map) == vocab.vocab_size

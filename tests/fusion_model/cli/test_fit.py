@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fusion_model import cli
 from fusion_model.cli.fit import main
 from fusion_model.training.lightning_module import FusionLightningModule
 
@@ -44,7 +45,7 @@ def test_presets_parse_and_carry_the_papers_recipe(preset, capsys):
 
 
 def _fit_error(args, capsys) -> str:
-    assert main(args) == 2
+    assert cli.main(["fit", *args]) == 2  # bad input: one line naming what to change, exit code 2
     return capsys.readouterr().err
 
 
@@ -77,15 +78,15 @@ def test_shards_from_another_vocabulary_or_image_tokenizer(tmp_path, capsys):
     image_tokenizer.save_pretrained(image_dir)
     other = fw.make_token_dir(tmp_path / "other", vocab_size=512)  # fingerprints of some other tokenizers
     same_vocab = fw.make_token_dir(tmp_path / "same", vocab_size=512, vocab_fingerprint=vocab.fingerprint())
-    err = _fit_error(fw.tiny_args(same_vocab, tmp_path, 2, extra=["--model.config.vocab_size=512", f"--data.tokenizer={vocab_path}"]), capsys)
+    err = _fit_error(fw.tiny_args(same_vocab, tmp_path, 2, extra=["--model.config.vocab_size=512", f"--data.vocab={vocab_path}"]), capsys)
     assert f"--model.config.image_offset {vocab.image_offset} --model.config.image_codes 64" in err
     model = ["--model.config.vocab_size=512", f"--model.config.image_offset={vocab.image_offset}", "--model.config.image_codes=64"]
-    err = _fit_error(fw.tiny_args(other, tmp_path, 2, extra=[*model, f"--data.tokenizer={vocab_path}"]), capsys)
+    err = _fit_error(fw.tiny_args(other, tmp_path, 2, extra=[*model, f"--data.vocab={vocab_path}"]), capsys)
     assert "another vocabulary" in err and vocab.fingerprint() in err and "vocab-test" in err
-    err = _fit_error(fw.tiny_args(same_vocab, tmp_path, 2, extra=[*model, f"--data.tokenizer={vocab_path}",
+    err = _fit_error(fw.tiny_args(same_vocab, tmp_path, 2, extra=[*model, f"--data.vocab={vocab_path}",
                                                                     f"--data.image_tokenizer={image_dir}"]), capsys)
     assert "another image tokenizer" in err and image_tokenizer.fingerprint() in err and "image-test" in err
-    err = _fit_error(fw.tiny_args(same_vocab, tmp_path, 2, extra=[f"--data.tokenizer={vocab_path}"]), capsys)
+    err = _fit_error(fw.tiny_args(same_vocab, tmp_path, 2, extra=[f"--data.vocab={vocab_path}"]), capsys)
     assert "512-entry vocabulary" in err  # the model still has the preset's 256 entries
 
 
@@ -173,7 +174,7 @@ def test_sample_writer_writes_samples_at_its_interval(tmp_path):
               "init_args": {"tokenizer": str(tmp_path / "tokenizer.json"), "prompts": ["a gray", ""], "every_n_steps": 2,
                             "max_new_tokens": 6}}
     args = fw.tiny_args(tokens, tmp_path, 3, extra=["--model.config.vocab_size=512", f"--model.config.image_offset={vocab.image_offset}",
-                                                    "--model.config.image_codes=64", f"--data.tokenizer={tmp_path / 'tokenizer.json'}",
+                                                    "--model.config.image_codes=64", f"--data.vocab={tmp_path / 'tokenizer.json'}",
                                                     f"--trainer.callbacks={json.dumps([writer])}", "--trainer.enable_checkpointing=false"])
     assert main(args) == 0
     written = sorted(p.parent.name for p in tmp_path.rglob("samples/*/samples.json"))

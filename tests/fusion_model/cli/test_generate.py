@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from fusion_model.cli.convert import save_checkpoint_model
+from fusion_model.checkpoint import save_model
 from fusion_model.cli.generate import main, parser
 from fusion_model.config import FusionConfig
 from fusion_model.model import FusionModel
@@ -27,7 +27,7 @@ def files(tmp_path_factory):
     vocab.save(root / "tokenizer.json")
     torch.manual_seed(0)
     config = FusionConfig.from_preset("tiny", vocab_size=320, image_offset=vocab.image_offset, image_codes=16, max_seq_len=48)
-    save_checkpoint_model(FusionModel(config), root / "model.ckpt")
+    save_model(FusionModel(config), root / "model.ckpt")
     vq = ImageTokenizerConfig(image_size=8, base_channels=8, channel_multiplier=(1, 1, 1), num_res_blocks=1,
                               latent_channels=8, norm_groups=4, codebook_size=16)
     ImageTokenizer(vq).save_pretrained(root / "vq")

@@ -12,13 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from fusion_model.training.checkpointing import (
-    AtomicCheckpointIO,
-    atomic_torch_save,
-    load_checkpoint_file,
-    rng_state,
-    set_rng_state,
-)
+from fusion_model.training.checkpointing import AtomicCheckpointIO, rng_state, set_rng_state
+from tokenizer.files import atomic_torch_save, load_checkpoint_file
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -83,7 +78,7 @@ def test_an_error_during_the_write_keeps_the_old_file_and_removes_the_tmp(tmp_pa
 def test_loading_refuses_pickled_objects_and_names_the_file(tmp_path):
     path = tmp_path / "unsafe.ckpt"
     torch.save({"obj": Path("x")}, path)  # a pickled Python object, not a tensor or plain value
-    with pytest.raises(RuntimeError, match="unsafe.ckpt.*weights_only=True"):
+    with pytest.raises(ValueError, match="unsafe.ckpt.*weights_only=True"):
         AtomicCheckpointIO().load_checkpoint(path)
     with pytest.raises(FileNotFoundError, match="missing.ckpt"):
         load_checkpoint_file(tmp_path / "missing.ckpt")

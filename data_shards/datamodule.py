@@ -1,0 +1,86 @@
+"""FusionDataModule: the Lightning data module of `train.py fit`: packed batches from token shards, split across
+ranks by the stream, resumable mid-epoch, and checked against the model and tokenizers before the first batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+
+from data_shards.stream import PackedTokenStream, make_dataloader
+from data_shards.token_shards import read_manifest
+from tokenizer.compat import check_compatible
+
+
+def _manifest(directory: str, role: str) -> dict:
+    path = Path(directory)
+    if not path.is_dir() or not (path / "manifest.json").is_file():
+        found = sorted(p.name for p in path.glob("*"))[:5] if path.is_dir() else []
+        raise FileNotFoundError(
+            f"no token shards found for {role} in {path} ({'directory missing' if not path.is_dir() else f'no manifest.json; contents: {found}'}); "
+            f"run `train.py shards tokenize --out {path} ...` first or fix --data.{role}_dir"
+        )
+    return read_manifest(path)
+
+
+class FusionDataModule(L.LightningDataModule):
+    """Packed batches from pre-tokenized shards, split across ranks by the stream; resumable mid-epoch."""
+
+    def __init__(
+        self,
+        train_dir: str = "data/tokens/train",
+        val_dir: str | None = None,
+        seq_len: int = 4096,
+        batch_size: int = 1,
+        num_workers: int = 2,
+        seed: int = 0,
+        shuffle: bool = True,
+        vocab: str | None = None,
+        image_tokenizer: str | None = None,
+    ) -> None:
+        """train_dir/val_dir: token-shard directories; batch_size is per device (micro-batch);
+        vocab (tokenizer.json) and image_tokenizer (a bundle directory) enable the fingerprint checks."""
+        super().__init__()
+        self.save_hyperparameters()
+        self.train_dir, self.val_dir = train_dir, val_dir
+        self.seq_len, self.batch_size, self.num_workers = seq_len, batch_size, num_workers
+        self.seed, self.shuffle = seed, shuffle
+        self.vocab, self.image_tokenizer = vocab, image_tokenizer
+
+    def setup(self, stage: str) -> None:
+        """Start-up validation against the model (runs on every rank before the first batch)."""
+        train_manifest = _manifest(self.train_dir, "train")
+        val_manifest = _manifest(self.val_dir, "val") if self.val_dir else None
+        vocab = fingerprint = None
+        if self.vocab:
+            from tokenizer.vocab import UnifiedVocab
+
+            vocab = UnifiedVocab.load(self.vocab)
+        if self.image_tokenizer:
+            from tokenizer.image import ImageTokenizer
+
+            fingerprint = ImageTokenizer.from_pretrained(self.image_tokenizer).fingerprint()
+        config = self.trainer.lightning_module.model_config if self.trainer is not None else None
+        if config is not None:
+            check_compatible(model=config, vocab=vocab, image_tokenizer_fingerprint=fingerprint, shards=train_manifest,
+                             shards_dir=self.train_dir, val_shards=val_manifest, seq_len=self.seq_len, training=True)
+
+    def _rank_world(self) -> tuple[int, int]:
+        trainer = self.trainer
+        return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+
+    def _loader(self, directory: str, shuffle: bool, num_workers: int):
+        rank, world = self._rank_world()
+        stream = PackedTokenStream(directory, self.seq_len, self.batch_size, seed=self.seed, rank=rank,
+                                   world_size=world, shuffle=shuffle)
+        return make_dataloader(stream, num_workers=num_workers)
+
+    def train_dataloader(self):
+        """Training loader (its state_dict travels in Lightning checkpoints: exact mid-epoch resume)."""
+        return self._loader(self.train_dir, self.shuffle, self.num_workers)
+
+    def val_dataloader(self):
+        """Held-out shards in a fixed order (limit with trainer.limit_val_batches)."""
+        if not self.val_dir:
+            return []
+        return self._loader(self.val_dir, False, min(self.num_workers, 1))

@@ -1,0 +1,48 @@
+"""The decoder on disk: one loader for every command (a Lightning `.ckpt`, a `convert import` file, or a
+transformers Chameleon directory) and one writer, both through the project's safe file rules."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from fusion_model.config import FusionConfig
+from fusion_model.model import FusionModel
+from tokenizer.files import atomic_torch_save, load_checkpoint_file
+
+
+def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> FusionModel:
+    """A FusionModel from a checkpoint file (`state_dict` with a `model.` prefix and hyper_parameters['config'],
+    as Lightning writes them; loaded with weights_only=True) or a transformers Chameleon directory."""
+    path = Path(path)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is a directory without config.json; give a .ckpt file or a directory "
+                                    "written by `train.py convert export`")
+        from transformers import ChameleonForConditionalGeneration
+
+        from fusion_model.hf_convert import from_transformers
+
+        hf_model = ChameleonForConditionalGeneration.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+        return from_transformers(hf_model).to(map_location)
+    checkpoint = load_checkpoint_file(path, map_location=map_location)
+    config = (checkpoint.get("hyper_parameters") or {}).get("config")
+    if not isinstance(config, dict) or "state_dict" not in checkpoint:
+        raise ValueError(f"{path} is not a fusion checkpoint (expected 'state_dict' and hyper_parameters['config'])")
+    model = FusionModel(FusionConfig.from_dict(config))
+    # a torch.compile'd model saves its weights under "_orig_mod."
+    state = {k[len("model."):].replace("_orig_mod.", ""): v for k, v in checkpoint["state_dict"].items()
+             if k.startswith("model.")}
+    model.load_state_dict(state)
+    return model
+
+
+def save_model(model: FusionModel, path: str | os.PathLike) -> Path:
+    """Write a weights-only checkpoint in the layout `load_model`, `train.py fit --checkpoint` and the sampler read."""
+    body = {
+        "state_dict": {"model." + k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "hyper_parameters": {"config": model.config.to_dict()},
+    }
+    return atomic_torch_save(body, path)

@@ -1,0 +1,125 @@
+"""The project's one rule for files on disk: atomic writes (temp file, fsync, rename, fsync of the directory)
+and checkpoint loading with `weights_only=True`. The lowest layer, so every package uses the same code."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+
+def fsync_dir(directory: str | os.PathLike) -> None:
+    """Make a rename inside `directory` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as handle:
+        os.fsync(handle.fileno())
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path next to `path`; when the block succeeds, the file there becomes `path` atomically.
+
+    For writers that want a file name (safetensors, tokenizers, PIL). Readers see the old file or the complete
+    new one, never half of it; on an exception the temporary file is removed and `path` is untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        yield tmp
+        _fsync_file(tmp)  # the bytes are on disk before the rename makes them visible
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(path.parent)  # the rename itself is durable
+
+
+@contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "wb", **kwargs: Any) -> Iterator[IO]:
+    """`open(path, mode)` whose content appears at `path` only once the block has finished without error."""
+    if not mode.startswith("w"):
+        raise ValueError(f"atomic_open writes whole files; mode {mode!r} must start with 'w'")
+    with atomic_path(path) as tmp, open(tmp, mode, **kwargs) as handle:
+        yield handle
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write `data` to `path` atomically; returns the path."""
+    with atomic_open(path, "wb") as handle:
+        handle.write(data)
+    return Path(path)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write UTF-8 `text` to `path` atomically; returns the path."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj: Any, indent: int | None = 2) -> Path:
+    """Write `obj` as JSON (plus a newline) atomically; values JSON cannot hold are written with str()."""
+    return atomic_write_text(path, json.dumps(obj, indent=indent, default=str) + "\n")
+
+
+def atomic_torch_save(obj: Any, path: str | os.PathLike) -> Path:
+    """torch.save to `path` atomically (so a kill mid-write leaves the previous file whole)."""
+    import torch
+
+    with atomic_open(path, "wb") as handle:
+        torch.save(obj, handle)
+    return Path(path)
+
+
+def replace_directory(new: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Move the finished directory `new` to `path`, replacing what is there.
+
+    A directory cannot be renamed over a non-empty one, so an old `path` first moves aside to
+    `.<name>.old`, deleted only once the new one is in place: a kill between the two renames leaves
+    the old one whole under that name, never a half-written one under `path`.
+    """
+    path, new = Path(path), Path(new)
+    old = path.with_name(f".{path.name}.old")
+    if old.exists():
+        shutil.rmtree(old)
+    if path.is_dir():
+        os.replace(path, old)
+    elif path.exists():
+        path.unlink()
+    os.replace(new, path)
+    fsync_dir(path.parent)
+    if old.exists():
+        shutil.rmtree(old)
+
+
+def load_checkpoint_file(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
+    """torch.load with `weights_only=True` (never unpickles code); errors name the file and what to do."""
+    import torch
+
+    text = str(path)
+    if "://" in text:
+        raise ValueError(f"checkpoint {text} is a URL; download it yourself and pass the local file")
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint {path} does not exist: pass an existing checkpoint file")
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as err:  # noqa: BLE001 - re-raised with the file name and what to do
+        raise ValueError(
+            f"checkpoint {path} could not be loaded with torch.load(weights_only=True): {err}. "
+            "It is truncated, not a checkpoint, or holds pickled objects; use an earlier checkpoint."
+        ) from err
