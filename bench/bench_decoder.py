@@ -9,6 +9,7 @@ import time
 import torch
 
 from bench.harness import paired_result, time_rounds, write_result
+from bench.limits import matmul_peak_flops
 from fusion_model.config import FusionConfig
 from fusion_model.hf_convert import from_transformers
 
@@ -26,19 +27,8 @@ SMOKE_SIZES = {"small": ("tiny", 2, 32, {}, MODES)}
 
 
 def _peak_flops() -> float:
-    """This machine's fp32 matmul peak (bench.limits when present, else a 1024^3 matmul measured here)."""
-    try:
-        from bench.limits import matmul_peak_flops
-
-        return matmul_peak_flops(torch.float32, "cpu")
-    except ImportError:
-        a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
-        best = float("inf")
-        for _ in range(5):
-            start = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - start)
-        return 2 * 1024**3 / best
+    """This machine's fp32 matmul peak (the MFU denominator)."""
+    return matmul_peak_flops(torch.float32, "cpu")
 
 
 def _reference(config: FusionConfig):

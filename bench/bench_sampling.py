@@ -7,6 +7,7 @@ import torch
 
 from bench.harness import compare, write_result
 from fusion_model.config import FusionConfig
+from fusion_model.flops import best_seconds
 from fusion_model.model import FusionModel
 from fusion_model.sampling import SamplingConfig, generate_ids
 from tokenizer.vocab import train_unified_vocab
@@ -101,8 +102,9 @@ def run(smoke: bool = False) -> dict:
         for label, cfg_scale in (("image", 1.0), ("image_cfg", 3.0)):
             image = SamplingConfig(mode="image", image_grid=grid, image_temperature=1.0, image_top_k=50,
                                    cfg_scale=cfg_scale, seed=0)
-            seconds = _best_seconds(lambda image=image, prompts=prompts: generate_ids(ours, vocab, prompts, image),
-                                    repeats=1)
+            # ours only (transformers cannot emit image tokens); the text comparison before has warmed the model up
+            seconds = best_seconds(lambda image=image, prompts=prompts: generate_ids(ours, vocab, prompts, image),
+                                   torch.device("cpu"), repeats=1, warmup=0)
             rows = batch * (2 if cfg_scale != 1.0 else 1)  # CFG doubles the rows each step reads the weights for
             figures[f"{label}_batch{batch}"] = {
                 "ours_seconds_per_batch": seconds,
@@ -127,19 +129,6 @@ def run(smoke: bool = False) -> dict:
     }
     write_result("sampling", payload)
     return payload
-
-
-def _best_seconds(fn, repeats: int) -> float:
-    """Fastest of `repeats` timed calls (ours only: transformers cannot emit image tokens); the text
-    comparison before it has already warmed the model up."""
-    import time
-
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import torch
 from bench.harness import write_result
 from bench.limits import copy_bandwidth, decode_seconds_bound, matmul_peak_flops, model_flops_utilization
 from fusion_model.config import FusionConfig
+from fusion_model.flops import sync
 from fusion_model.model import FusionModel
 
 # Dense bf16 tensor-core peaks from the vendors' data sheets (no sparsity); matched against the device name.
@@ -51,11 +52,6 @@ def image_config(dry_run: bool) -> FusionConfig:
         return FusionConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, ffn_dim=128, max_seq_len=64,
                             dropout=0.0, image_offset=IMAGE_OFFSET, image_codes=128)
     return FusionConfig.from_preset("chameleon-7b", dropout=0.0, image_offset=IMAGE_OFFSET, image_codes=8192)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _free(device: torch.device) -> None:
@@ -90,13 +86,13 @@ def _time_steps(step, *, steps: int, warmup: int, device: torch.device) -> tuple
     start = time.perf_counter()
     for _ in range(warmup):
         step()
-    _sync(device)
+    sync(device)
     warmup_s = time.perf_counter() - start
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         loss = step()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - start)
     return times, warmup_s, loss
 
@@ -260,14 +256,14 @@ def bench_image(config: FusionConfig, *, n_tokens: int, stream_counts: list[int]
     figures: dict[str, dict] = {}
     for streams in stream_counts:
         generate_image(model, prompt, min(8, n_tokens), streams, generator)  # warm-up: kernels, allocator
-        _sync(device)
+        sync(device)
         times = []
         for _ in range(repeats):
             if times and time.perf_counter() > deadline:
                 break  # one timed image is a figure; running past the script's budget loses all of them
             start = time.perf_counter()
             codes = generate_image(model, prompt, n_tokens, streams, generator)
-            _sync(device)
+            sync(device)
             times.append(time.perf_counter() - start)
         if codes.numel() != n_tokens or int(codes.max()) >= config.image_codes:
             raise RuntimeError(f"generated {codes.numel()} codes, max {int(codes.max())}: the sampler is broken")

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 
+from tokenizer.files import atomic_write_text
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # `python -m bench` and the smoke test point these at their own choices; benchmarks need not know.
 RESULTS_DIR_ENV = "BENCH_RESULTS_DIR"
@@ -178,9 +180,7 @@ def write_result(name: str, payload: dict, results_dir: str | os.PathLike | None
         "measured_at": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         **payload,
     }
-    tmp = path.with_suffix(f".json.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(body, indent=2, default=_jsonable) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(body, indent=2, default=_jsonable) + "\n")
     return path
 
 

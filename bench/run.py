@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from bench.harness import COMPARE_SECONDS_ENV, RESULTS_DIR, RESULTS_DIR_ENV, resolve_results_dir, write_result
+from tokenizer.files import atomic_write_text
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -275,10 +276,7 @@ def render_markdown(directory: Path, failures: dict[str, str] | None = None) -> 
 def write_markdown(directory: Path, path: Path, failures: dict[str, str] | None = None) -> Path:
     """Render and write BENCHMARKS.md atomically."""
     text = render_markdown(directory, failures)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-    return path
+    return atomic_write_text(path, text)
 
 
 # ---------------------------------------------------------------- command line

@@ -1,20 +1,22 @@
 """Raw shards: webdataset tars where one sample is one document (`KEY.json` segments + `KEY.0.png`, ...).
 
-Written atomically (tmp + rename) and read without ever unpickling or using a member name as a path.
+Written atomically (tokenizer.files) and read without ever unpickling or using a member name as a path.
 """
 
 from __future__ import annotations
 
 import io
 import json
-import os
 import re
 import tarfile
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 from PIL import Image
+
+from tokenizer.files import atomic_path, atomic_write_json
 
 RAW_FORMAT = "early-fusion-raw/1"
 MANIFEST = "manifest.json"
@@ -44,17 +46,6 @@ def safe_key(text: str) -> str:
     return key[:200]
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def write_json_atomic(path: str | Path, obj: object) -> None:
-    """Write JSON to `path` via a temporary file and os.replace (never a half-written file)."""
-    _atomic_write_bytes(Path(path), (json.dumps(obj, indent=2) + "\n").encode())
-
-
 class RawShardWriter:
     """Context manager writing documents into size-limited raw shards plus a manifest with counts and skips.
 
@@ -82,7 +73,7 @@ class RawShardWriter:
         self.counts = {"documents": 0, "images": 0, "text_segments": 0}
         self._keys: set[str] = set()
         self._tar: tarfile.TarFile | None = None
-        self._tmp_path: Path | None = None
+        self._shard_files: ExitStack | None = None  # the open tar inside tokenizer.files.atomic_path
         self._current: dict | None = None
         self.manifest: dict | None = None
 
@@ -98,23 +89,22 @@ class RawShardWriter:
                 self.close()
         else:  # leave no half-written shard behind
             if self._tar is not None:
-                self._tar.close()
-                self._tmp_path.unlink(missing_ok=True)
-                self._tar = None
+                self._shard_files.__exit__(exc_type, exc, tb)  # closes the tar and removes its temporary file
+                self._tar, self._shard_files = None, None
 
     def _open_shard(self) -> None:
         name = f"{self.prefix}-{len(self.shards):06d}.tar"
-        self._tmp_path = self.out_dir / (name + ".tmp")
-        self._tar = tarfile.open(self._tmp_path, "w")
+        self._shard_files = ExitStack()
+        tmp = self._shard_files.enter_context(atomic_path(self.out_dir / name))
+        self._tar = self._shard_files.enter_context(tarfile.open(tmp, "w"))
         self._current = {"name": name, "documents": 0, "images": 0, "bytes": 0}
 
     def _finish_shard(self) -> None:
         if self._tar is None:
             return
-        self._tar.close()
-        os.replace(self._tmp_path, self.out_dir / self._current["name"])
+        self._shard_files.close()  # closes the tar, then fsyncs it and renames it into place
         self.shards.append(self._current)
-        self._tar, self._tmp_path, self._current = None, None, None
+        self._tar, self._shard_files, self._current = None, None, None
 
     def _member(self, name: str, data: bytes) -> None:
         info = tarfile.TarInfo(name)
@@ -182,7 +172,7 @@ class RawShardWriter:
             "shards": self.shards,
             "skipped": self.skipped,
         }
-        write_json_atomic(self.out_dir / MANIFEST, manifest)
+        atomic_write_json(self.out_dir / MANIFEST, manifest)
         self.manifest = manifest
         return manifest
 

@@ -232,8 +232,9 @@ def demo_text(verses_per_document: int = 20, limit: int | None = None) -> Iterat
         yield Sample(safe_key(f"kjv_{chapter[0]}_{chapter[1]}_{emitted}"), [" ".join(buffer)])
 
 
-# Named emoji (DESIGN §7: npm `emoji-datasource-twitter`) have no offline Python package, so there is no
-# built-in emoji source; an unpacked copy of that npm package is an image folder away (`demo_emoji`).
+# Named emoji (npm `emoji-datasource-twitter`: 1,911 named 64x64 PNGs, CC-BY-4.0) have no offline Python
+# package, so there is no built-in emoji source; an unpacked copy of that npm package is an image folder away
+# (`demo_emoji`).
 def demo_emoji(package_dir: str | Path, size: int = 64) -> Iterator[Sample]:
     """Named emoji from an unpacked npm `emoji-datasource-twitter` (emoji.json + img/twitter/<size>/)."""
     package_dir = Path(package_dir)

@@ -9,12 +9,12 @@ shard is complete).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 
-from data_shards.raw import ShardError, write_json_atomic
+from data_shards.raw import ShardError
+from tokenizer.files import atomic_open, atomic_write_json
 
 TOKEN_FORMAT = "early-fusion-tokens/1"
 MANIFEST = "manifest.json"
@@ -37,10 +37,8 @@ def id_dtype(vocab_size: int) -> np.dtype:
 
 
 def _save_npy_atomic(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as handle:
+    with atomic_open(path, "wb") as handle:
         np.save(handle, array, allow_pickle=False)
-    os.replace(tmp, path)
 
 
 def write_token_shard(out_dir: str | Path, name: str, keys: list[str], documents: list[list[int]], info: dict) -> dict:
@@ -58,7 +56,7 @@ def write_token_shard(out_dir: str | Path, name: str, keys: list[str], documents
     out_dir.mkdir(parents=True, exist_ok=True)
     _save_npy_atomic(out_dir / f"{name}.ids.npy", flat.astype(id_dtype(vocab_size)))
     _save_npy_atomic(out_dir / f"{name}.offsets.npy", offsets)
-    write_json_atomic(out_dir / f"{name}.keys.json", keys)
+    atomic_write_json(out_dir / f"{name}.keys.json", keys)
     meta = {
         "name": name,
         "documents": len(documents),
@@ -66,7 +64,7 @@ def write_token_shard(out_dir: str | Path, name: str, keys: list[str], documents
         "max_id": int(flat.max()) if flat.size else -1,
         **info,
     }
-    write_json_atomic(out_dir / f"{name}.meta.json", meta)
+    atomic_write_json(out_dir / f"{name}.meta.json", meta)
     return meta
 
 
@@ -83,7 +81,7 @@ def write_manifest(token_dir: str | Path, header: dict, shard_metas: list[dict])
         "images": sum(s.get("images", 0) for s in shards),
         "shards": shards,
     }
-    write_json_atomic(Path(token_dir) / MANIFEST, manifest)
+    atomic_write_json(Path(token_dir) / MANIFEST, manifest)
     return manifest
 
 

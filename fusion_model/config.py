@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, Literal, TypedDict, get_type_hints
 
 NORM_PLACEMENTS = ("pre", "swin")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "xformers")
@@ -115,26 +117,44 @@ class FusionConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict) -> FusionConfig:
-        """Inverse of to_dict; unknown keys are an error naming them."""
+    def from_dict(cls, values: Mapping[str, Any]) -> FusionConfig:
+        """Inverse of to_dict; a `preset` key starts from that preset, the other keys override its fields.
+
+        Unknown keys are an error naming them. Without `preset`, missing fields take the class defaults.
+        """
+        values = dict(values)
+        preset = values.pop("preset", None)
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"FusionConfig.from_dict: unknown fields {unknown}")
-        return cls(**values)
+        return cls.from_preset(preset, **values) if preset is not None else cls(**values)
 
 
-# Presets leave image_offset/image_codes unset: they come from the vocabulary (UnifiedVocab), passed
-# as overrides, e.g. FusionConfig.from_preset("demo", vocab_size=v.vocab_size, image_offset=v.image_offset, ...).
+# The one definition of each decoder architecture: configs/fusion/<name>.yaml name these (model.config.preset)
+# and add only their recipe's overrides. Presets leave image_offset/image_codes unset: they come from the
+# vocabulary (UnifiedVocab), passed as overrides, e.g.
+# FusionConfig.from_preset("demo", vocab_size=v.vocab_size, image_offset=v.image_offset, ...).
 PRESETS: dict[str, dict] = {
-    # DESIGN §4: 7B uses pre-norm with dropout 0.1; 34B needed swin norm reordering and no dropout.
+    # Chameleon paper (arXiv 2405.09818), Table 1 and section 2.3: 7B trains with pre-norm and dropout 0.1;
+    # 34B needed swin norm reordering and no dropout. The paper says 34B uses GQA without the group count:
+    # 8 kv heads is inferred (LLaMA-2's GQA sizes use 8).
     "chameleon-7b": dict(dim=4096, n_layers=32, n_heads=32, dropout=0.1),
     "chameleon-34b": dict(dim=8192, n_layers=48, n_heads=64, n_kv_heads=8, norm_placement="swin"),
     # unit tests: everything small, GQA on so the grouped path is always exercised
     "tiny": dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, max_seq_len=128),
-    # the CPU demo (DESIGN §8): d 128, 4 layers, 4 heads, ~0.86M parameters without embeddings
+    # the CPU demo: d 128, 4 layers, 4 heads, ~0.86M parameters without embeddings, the size a CPU prototype
+    # trained to 93.6% held-out caption accuracy in 4 minutes
     "demo": dict(vocab_size=1024, dim=128, n_layers=4, n_heads=4, ffn_dim=384, max_seq_len=256, dropout=0.1),
-    # CPU benchmark sizes
+    # CPU benchmark sizes (small is also configs/fusion/small.yaml's decoder)
     "small": dict(vocab_size=4096, dim=256, n_layers=4, n_heads=4, max_seq_len=512),
     "medium": dict(vocab_size=8192, dim=512, n_layers=8, n_heads=8, max_seq_len=1024),
 }
+
+# What a config dict may hold (every FusionConfig field, plus `preset`), all keys optional: the type
+# `train.py fit` checks model.config against, so a YAML names a preset and only the fields it changes, while
+# each field can still be set on the command line (--model.config.vocab_size 65536) and is type-checked
+# there. Built from the dataclass so that the list of fields exists once.
+FusionConfigDict = TypedDict(
+    "FusionConfigDict", {"preset": Literal[tuple(PRESETS)], **get_type_hints(FusionConfig)}, total=False
+)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -11,7 +10,8 @@ import torch
 
 from fusion_model.config import FusionConfig
 from fusion_model.model import FusionModel
-from tokenizer.vocab import image_token_name
+from tokenizer.files import atomic_path, atomic_write_text
+from tokenizer.vocab import image_code_of_name, image_token_name
 
 # A placeholder VQ encoder for exports without an image tokenizer: transformers always builds one, and
 # the default (70M parameters, random) would only cost time; text and image-token ids work without it.
@@ -21,22 +21,12 @@ PLACEHOLDER_VQ_CONFIG = dict(
 )
 
 
-def _split_name(name: str) -> int | None:
-    """Inverse of image_token_name (None when the name is not an image token)."""
-    if not (name.startswith("IMGIMG") and len(name) > 7):
-        return None
-    letters = name[len("IMGIMG") : -1]
-    if not all("A" <= c <= "J" for c in letters):
-        return None
-    return int("".join(str(ord(c) - ord("A")) for c in letters))
-
-
 def image_block(vocabulary_map: dict | None) -> tuple[int | None, int | None]:
     """(image_offset, image_codes) from a vocabulary map when its image ids form one block id = offset + code."""
     if not vocabulary_map:
         return None, None
     pairs = sorted((token_id, code) for name, token_id in vocabulary_map.items()
-                   if (code := _split_name(name)) is not None)
+                   if (code := image_code_of_name(name)) is not None)
     if not pairs:
         return None, None
     offset = pairs[0][0] - pairs[0][1]
@@ -205,10 +195,12 @@ def to_transformers(model: FusionModel, directory, image_tokenizer=None, vocab=N
             tensors[target] = piece.detach().to("cpu").contiguous().clone()
     for name, tensor in vq_state.items():
         tensors["model.vqmodel." + name] = tensor.detach().to("cpu").contiguous().clone()
-    _atomic(directory / "model.safetensors", lambda tmp: save_file(tensors, str(tmp), metadata={"format": "pt"}))
-    _atomic(directory / "config.json", lambda tmp: tmp.write_text(hf_config.to_json_string()))
+    with atomic_path(directory / "model.safetensors") as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    atomic_write_text(directory / "config.json", hf_config.to_json_string())
     if tokenizer_path is not None and tokenizer_path.resolve() != (directory / "tokenizer.json").resolve():
-        _atomic(directory / "tokenizer.json", lambda tmp: shutil.copyfile(tokenizer_path, tmp))
+        with atomic_path(directory / "tokenizer.json") as tmp:
+            shutil.copyfile(tokenizer_path, tmp)
     return directory
 
 
@@ -221,13 +213,6 @@ def ours_size(config: FusionConfig, hf_name: str) -> int:
     if hf_name.endswith(("gate_proj.weight", "up_proj.weight")):
         return config.hidden_dim
     raise ValueError(f"ours_size: {hf_name} is not part of a fused weight")
-
-
-def _atomic(path: Path, write) -> None:
-    """Write via a temporary file and os.replace, so a crash never leaves a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    write(tmp)
-    os.replace(tmp, path)
 
 
 def load_config_json(directory) -> dict:

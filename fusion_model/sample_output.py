@@ -13,12 +13,7 @@ from typing import Any
 
 from PIL import Image
 
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write bytes to `path` via a temporary file and os.replace, so readers never see half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+from tokenizer.files import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 
 def _png_bytes(image: Image.Image) -> bytes:
@@ -40,12 +35,12 @@ def _describe(segments: list[Any], out_dir: Path, stem: str) -> tuple[list[dict]
         if isinstance(segment, Image.Image):
             image = segment
         else:  # a path given in a prompt
-            from fusion_model.sampling import load_prompt_image
+            from fusion_model.generation import load_prompt_image
 
             image = load_prompt_image(segment)
         name = f"{stem}_image_{n_images}.png"
         data = _png_bytes(image.convert("RGB"))
-        _write_atomic(out_dir / name, data)
+        atomic_write_bytes(out_dir / name, data)
         entry = {"image": name, "size": list(image.size)}
         if not isinstance(segment, Image.Image):
             entry["source"] = str(segment)
@@ -96,7 +91,7 @@ def write_samples(
         blocks.append(f'<section><h2>#{i}</h2>{prompt_html}<div class="output">{_html_items(shown)}</div></section>')
     body = {"settings": settings or {}, "samples": records}
     json_path, html_path = out / "samples.json", out / "index.html"
-    _write_atomic(json_path, (json.dumps(body, indent=2) + "\n").encode())
+    atomic_write_json(json_path, body)
     settings_html = html.escape(json.dumps(settings or {}, sort_keys=True))
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
@@ -113,5 +108,5 @@ code {{ font-size: 80%; }}
 {chr(10).join(blocks)}
 </body></html>
 """
-    _write_atomic(html_path, page.encode())
+    atomic_write_text(html_path, page)
     return {"json": json_path, "html": html_path}

@@ -1,17 +1,16 @@
-"""Sampling mixed text-and-image sequences: a KV-cached decode loop with Chameleon's modality rules,
-per-modality temperature / top-k / top-p, a text repetition penalty, and classifier-free guidance."""
+"""Sampling mixed text-and-image ids: a KV-cached decode loop with Chameleon's modality rules, per-modality
+temperature / top-k / top-p, a text repetition penalty, and classifier-free guidance.
+
+Ids in, ids out; text and images in, text and PIL images out is fusion_model.generation."""
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:  # only for type hints; the sampler works with any object that has the attributes used
-    from PIL import Image
+from tokenizer.compat import check_compatible
 
 MODES = ("text", "image", "interleaved")
 
@@ -57,7 +56,9 @@ class SamplingConfig:
         if self.repetition_penalty <= 0:
             raise ValueError(f"SamplingConfig.repetition_penalty={self.repetition_penalty} must be > 0")
         if (self.cfg_image_scale is None) != (self.cfg_text_scale is None):
-            raise ValueError("three-stream guidance needs both cfg_image_scale and cfg_text_scale (or neither)")
+            raise ValueError(
+                "three-stream guidance needs both cfg_image_scale and cfg_text_scale (or neither)"
+            )
         if self.max_new_tokens is not None and self.max_new_tokens < 1:
             raise ValueError(f"SamplingConfig.max_new_tokens={self.max_new_tokens} must be >= 1 or None")
         if self.image_grid is not None:
@@ -91,7 +92,7 @@ def mix_guidance(
     image_cond: torch.Tensor | None = None,
     text_scale: float | None = None,
 ) -> torch.Tensor:
-    """Two-stream `u + s·(c − u)`, or with `image_cond` three-stream `u + s·(img − u) + text_scale·(c − img)`."""
+    """Two-stream `u + s·(c − u)`; with `image_cond` three-stream `u + s·(img − u) + text_scale·(c − img)`."""
     if image_cond is None:
         # written as c + (s−1)(c − u) so that s = 1 returns c bit for bit
         return cond + (scale - 1.0) * (cond - uncond)
@@ -100,7 +101,9 @@ def mix_guidance(
     return uncond + scale * (image_cond - uncond) + text_scale * (cond - image_cond)
 
 
-def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float | torch.Tensor) -> torch.Tensor:
+def apply_repetition_penalty(
+    logits: torch.Tensor, seen: torch.Tensor, penalty: float | torch.Tensor
+) -> torch.Tensor:
     """HF/CTRL penalty on ids already seen: positive logits divided by it, negative ones multiplied."""
     penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
     return torch.where(seen, penalized, logits)
@@ -131,7 +134,9 @@ def truncate_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
-def choose_tokens(logits: torch.Tensor, temperature: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def choose_tokens(
+    logits: torch.Tensor, temperature: torch.Tensor, generator: torch.Generator | None
+) -> torch.Tensor:
     """Sample one id per row at the row's temperature (0 = greedy argmax)."""
     greedy = logits.argmax(dim=-1)
     if bool((temperature == 0).all()):
@@ -144,47 +149,270 @@ def choose_tokens(logits: torch.Tensor, temperature: torch.Tensor, generator: to
     return torch.where(temperature == 0, greedy, sampled)
 
 
-# ---------------------------------------------------------------- the decode loop
-
-
-def _check_compatible(model: torch.nn.Module, vocab: Any) -> None:
-    """A checkpoint and a vocabulary must agree on the id space, or every id means something else."""
-    config = getattr(model, "config", None)
-    model_vocab = getattr(config, "vocab_size", None)
-    if model_vocab is not None and model_vocab != vocab.vocab_size:
-        raise ValueError(
-            f"the model has vocab_size {model_vocab} but the vocabulary has {vocab.vocab_size}: "
-            "pass the tokenizer.json the checkpoint was trained with"
-        )
-    for name in ("image_offset", "image_codes"):
-        value = getattr(config, name, None)
-        if value is not None and value != getattr(vocab, name):
-            raise ValueError(
-                f"the model's {name} is {value} but the vocabulary's is {getattr(vocab, name)}: "
-                "pass the tokenizer.json the checkpoint was trained with"
-            )
+# ---------------------------------------------------------------- the streams
 
 
 def image_only_prompt(prompt: list[int], vocab: Any) -> list[int]:
-    """The 'img' stream of three-stream guidance: `<s>` plus only the complete images of the prompt."""
+    """The 'img' stream of three-stream guidance: `<s>` plus only the complete images of the prompt.
+
+    An image the prompt ends inside is kept too: the conditional stream is about to finish it.
+    """
+    spans = vocab.spans(prompt)
     out = [vocab.bos_id]
-    start = None
-    for i, token in enumerate(prompt):
-        if token == vocab.boi_id:
-            start = i
-        elif token == vocab.eoi_id and start is not None:
-            out += prompt[start : i + 1]
-            start = None
-    if start is not None:  # the prompt ends inside an image: keep the open image too
-        out += prompt[start:]
+    for span in spans:
+        if span.is_image and (span.closed or span is spans[-1]):
+            out += prompt[span.start : span.end]
     return out
+
+
+@dataclass
+class Streams:
+    """The rows of one sampling batch, stream by stream: [cond_0..cond_B-1, uncond_0.., image_cond_0..]."""
+
+    rows: list[list[int]]
+    n_prompts: int
+
+    @property
+    def n_streams(self) -> int:
+        """1 (conditional only), 2 (plus unconditional) or 3 (plus image-conditional)."""
+        return len(self.rows) // self.n_prompts
+
+    @property
+    def prompts(self) -> list[list[int]]:
+        """The conditional rows: the prompts themselves."""
+        return self.rows[: self.n_prompts]
+
+    def room(self, context: int, device: torch.device) -> torch.Tensor:
+        """Tokens each prompt may still add, (n_prompts,): a new token goes to every stream of its prompt."""
+        lengths = torch.tensor([len(row) for row in self.rows], device=device)
+        return (context - lengths).view(self.n_streams, self.n_prompts).min(dim=0).values
+
+
+def build_streams(
+    vocab: Any,
+    prompts: list[list[int]],
+    config: SamplingConfig,
+    context: int,
+    uncond_prompts: list[list[int]] | None = None,
+    image_cond_prompts: list[list[int]] | None = None,
+) -> Streams:
+    """The rows guidance needs, checked against the vocabulary and the context.
+
+    Default streams: u = `<s>`; img = `<s>` + the prompt's images.
+    """
+    n_prompts = len(prompts)
+    rows = [list(map(int, p)) for p in prompts]
+    if config.three_stream or config.cfg_scale != 1.0 or uncond_prompts is not None:
+        uncond = uncond_prompts if uncond_prompts is not None else [[vocab.bos_id] for _ in prompts]
+        if len(uncond) != n_prompts:
+            raise ValueError(
+                f"got {len(uncond)} unconditional prompts for {n_prompts} prompts; give one each"
+            )
+        rows += [list(map(int, p)) for p in uncond]
+    if config.three_stream:
+        if image_cond_prompts is not None:
+            img = image_cond_prompts
+        else:
+            img = [image_only_prompt(p, vocab) for p in rows[:n_prompts]]
+        if len(img) != n_prompts:
+            raise ValueError(
+                f"got {len(img)} image-conditional prompts for {n_prompts} prompts; give one each"
+            )
+        rows += [list(map(int, p)) for p in img]
+    vocab_size = int(vocab.vocab_size)
+    for r, ids in enumerate(rows):
+        which = ("prompt", "unconditional prompt", "image-conditional prompt")[r // n_prompts]
+        if not ids:
+            raise ValueError(f"{which} {r % n_prompts} is empty; start it with <s> (id {vocab.bos_id})")
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{which} {r % n_prompts} has ids outside [0, {vocab_size}): {bad[:5]}")
+        if len(ids) >= context:
+            raise ValueError(
+                f"{which} {r % n_prompts} has {len(ids)} tokens but the model's context is {context}: "
+                "shorten the prompt (or use a model with a longer max_seq_len)"
+            )
+    return Streams(rows, n_prompts)
+
+
+# ---------------------------------------------------------------- the modality rules
 
 
 def _open_image_codes(prompt: list[int], vocab: Any) -> int:
     """How many codes of an unfinished image end the prompt (-1 when the prompt is in text mode)."""
-    last_boi = max((i for i, t in enumerate(prompt) if t == vocab.boi_id), default=-1)
-    last_eoi = max((i for i, t in enumerate(prompt) if t == vocab.eoi_id), default=-1)
-    return len(prompt) - 1 - last_boi if last_boi > last_eoi else -1
+    spans = vocab.spans(prompt)
+    if not spans or not spans[-1].is_image or spans[-1].closed:
+        return -1
+    return len(prompt[spans[-1].body])
+
+
+class ModalityRules:
+    """Chameleon's modality rules as a state machine per prompt: which ids may come next, and when it is done.
+
+    Outside an image: text, `</s>`, `<sep>`, and `<boi>` only while a whole image (`<boi>`, h·w codes,
+    `<eoi>`) still fits in every stream's context and in max_new_tokens; mode "text" never opens an image and
+    mode "image" opens exactly one (and stops at its `<eoi>`). Inside an image: h·w image codes, then `<eoi>`.
+    A prompt may end inside an image: its codes count, and the sampler finishes it first.
+    """
+
+    def __init__(
+        self, vocab: Any, config: SamplingConfig, prompts: list[list[int]], room: torch.Tensor, context: int
+    ):
+        """room: the tokens each prompt may add (Streams.room); context: the model's, for messages."""
+        device = room.device
+        self.mode, self.stop_at_eos = config.mode, config.stop_at_eos
+        self.boi_id, self.eoi_id, self.eos_id = vocab.boi_id, vocab.eoi_id, vocab.eos_id
+        open_codes = torch.tensor([_open_image_codes(p, vocab) for p in prompts], device=device)
+        self.room = room
+        self.n_codes, self.budget = self._budget(config, open_codes, room, context)
+
+        # vocabulary masks
+        all_ids = torch.arange(int(vocab.vocab_size), device=device)
+        self.is_image = vocab.is_image(all_ids).to(device)
+        self.text_ok = vocab.is_text(all_ids).to(device) & ~self.is_image
+        self.text_ok[vocab.eos_id] = True
+        sep = getattr(vocab, "sep_id", None)
+        if sep is not None:  # the separator / end-of-turn is text-mode punctuation for chat-style documents
+            self.text_ok[sep] = True
+        self.boi_only, self.eoi_only = all_ids == vocab.boi_id, all_ids == vocab.eoi_id
+
+        # the state of each prompt
+        self.in_image = open_codes >= 0
+        self.codes_done = open_codes.clamp_min(0)
+        self.n_new = torch.zeros(len(prompts), dtype=torch.long, device=device)
+        self.done = self.budget <= 0
+
+    @staticmethod
+    def _budget(
+        config: SamplingConfig, open_codes: torch.Tensor, room: torch.Tensor, context: int
+    ) -> tuple[int, torch.Tensor]:
+        """(h·w, new tokens each prompt may take); refuses a request that cannot end in whole images."""
+        opened = open_codes >= 0
+        if (config.mode != "text" or bool(opened.any())) and config.image_grid is None:
+            raise ValueError(
+                "SamplingConfig.image_grid (h, w) is needed to generate images; "
+                "use the image tokenizer's grid_shape"
+            )
+        n_codes = config.image_grid[0] * config.image_grid[1] if config.image_grid else 0
+        if config.mode == "text" and bool(opened.any()):
+            raise ValueError(
+                "a prompt ends inside an image (<boi> without <eoi>) but mode is 'text'; "
+                "use 'interleaved' or 'image'"
+            )
+        if bool((open_codes > n_codes).any()):
+            raise ValueError(
+                f"a prompt's open image already has more than h·w = {n_codes} codes; check image_grid"
+            )
+        # tokens a prompt must still get: the rest of an image it opened, and in image mode otherwise a whole
+        # image (<boi>, codes, <eoi>)
+        finish_open = torch.where(opened, n_codes - open_codes + 1, torch.zeros_like(open_codes))
+        needed = finish_open
+        if config.mode == "image":
+            needed = torch.where(opened, finish_open, torch.full_like(open_codes, n_codes + 2))
+        for b in range(len(open_codes)):
+            if needed[b] > room[b]:
+                raise ValueError(
+                    f"prompt {b}: the image needs {int(needed[b])} more tokens "
+                    f"(h·w = {n_codes} codes + <boi>/<eoi>) but only {int(room[b])} fit in the context of "
+                    f"{context}: shorten the prompt or use a smaller image grid"
+                )
+            if config.max_new_tokens is not None and needed[b] > config.max_new_tokens:
+                raise ValueError(
+                    f"prompt {b}: the image needs {int(needed[b])} new tokens but "
+                    f"max_new_tokens={config.max_new_tokens}: raise it or leave it None"
+                )
+        if config.mode == "image":
+            return n_codes, needed
+        if config.max_new_tokens is None:
+            return n_codes, room
+        return n_codes, torch.clamp(room, max=config.max_new_tokens)
+
+    @property
+    def steps(self) -> int:
+        """The most new tokens any prompt may take."""
+        return int(self.budget.max())
+
+    @property
+    def all_done(self) -> bool:
+        """Whether every prompt has finished."""
+        return bool(self.done.all())
+
+    def allowed(self) -> torch.Tensor:
+        """(prompts, V) mask of the ids each prompt may take next."""
+        # a whole image (<boi>, codes, <eoi>) must fit in every stream's row and in max_new_tokens
+        fits = (self.room - self.n_new >= self.n_codes + 2) & (self.budget - self.n_new >= self.n_codes + 2)
+        if self.mode == "text":
+            outside = self.text_ok.expand(len(fits), -1)
+        elif self.mode == "image":
+            outside = self.boi_only.expand(len(fits), -1)  # the row stops at the image's <eoi>
+        else:
+            outside = self.text_ok | (self.boi_only & fits[:, None])
+        inside = torch.where((self.codes_done < self.n_codes)[:, None], self.is_image, self.eoi_only)
+        return torch.where(self.in_image[:, None], inside, outside)
+
+    def advance(self, token: torch.Tensor) -> None:
+        """Take one token per prompt (prompts already done ignore theirs) and move each state on."""
+        live = ~self.done
+        self.n_new += live.long()
+        closes = live & self.in_image & (token == self.eoi_id)
+        self.codes_done = torch.where(live & self.in_image & ~closes, self.codes_done + 1, self.codes_done)
+        opens = live & ~self.in_image & (token == self.boi_id)
+        self.in_image = (self.in_image & ~closes) | opens
+        self.codes_done = torch.where(opens | closes, torch.zeros_like(self.codes_done), self.codes_done)
+        finished = self.n_new >= self.budget
+        if self.stop_at_eos:
+            finished |= token == self.eos_id
+        if self.mode == "image":
+            finished |= closes
+        self.done = self.done | (live & finished)
+
+
+class _SeenText:
+    """The repetition penalty's memory: the text ids of each prompt and of what was sampled for it so far."""
+
+    def __init__(self, prompts: list[list[int]], text_ok: torch.Tensor):
+        device = text_ok.device
+        self.text_ok = text_ok
+        self.seen = torch.zeros(len(prompts), text_ok.numel(), dtype=torch.bool, device=device)
+        for b, p in enumerate(prompts):
+            self.seen[b, torch.tensor(p, device=device)] = True
+        self.seen &= text_ok
+
+    def add(self, token: torch.Tensor, live: torch.Tensor) -> None:
+        """Remember the new token of each live prompt when it is text."""
+        self.seen[torch.arange(len(token), device=token.device), token] |= live & self.text_ok[token]
+
+
+# ---------------------------------------------------------------- the decode loop
+
+
+def _guided(
+    logits: torch.Tensor, n_prompts: int, in_image: torch.Tensor, config: SamplingConfig
+) -> torch.Tensor:
+    """The conditional rows' logits, mixed with the other streams where a prompt is inside an image.
+
+    Guidance is for image tokens only: text uses the conditional stream alone.
+    """
+    cond = logits[:n_prompts]
+    if logits.shape[0] == n_prompts:
+        return cond
+    uncond = logits[n_prompts : 2 * n_prompts]
+    if config.three_stream:
+        image_cond = logits[2 * n_prompts :]
+        mixed = mix_guidance(cond, uncond, config.cfg_image_scale, image_cond, config.cfg_text_scale)
+    else:
+        mixed = mix_guidance(cond, uncond, config.cfg_scale)
+    return torch.where(in_image[:, None], mixed, cond)
+
+
+def _sample(
+    logits: torch.Tensor, in_image: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None
+) -> torch.Tensor:
+    """One id per row, with the temperature / top-k / top-p of the row's modality."""
+    temperature = torch.where(in_image, config.image_temperature, config.text_temperature)
+    top_k = torch.where(in_image, config.image_top_k, config.text_top_k)
+    top_p = torch.where(in_image, config.image_top_p, config.text_top_p)
+    return choose_tokens(truncate_logits(logits, top_k, top_p), temperature.float(), generator)
 
 
 @torch.inference_mode()
@@ -203,168 +431,50 @@ def generate_ids(
     so a step is one forward pass over a preallocated KV cache; every stream of a prompt receives the
     token chosen for that prompt. Default streams: u = `<s>`; img = `<s>` + the prompt's images.
     """
-    _check_compatible(model, vocab)
+    check_compatible(model=model.config, vocab=vocab)
     if not prompts:
         return []
-    n_prompts = len(prompts)
-    context = int(model.config.max_seq_len)
-    vocab_size = int(vocab.vocab_size)
     device = next(model.parameters()).device
-
-    # ---- the streams: rows [cond_0..cond_B-1, uncond_0.., image_cond_0..]
-    streams = [list(map(int, p)) for p in prompts]
-    guided = config.three_stream or config.cfg_scale != 1.0 or uncond_prompts is not None
-    if guided:
-        uncond = uncond_prompts if uncond_prompts is not None else [[vocab.bos_id] for _ in prompts]
-        if len(uncond) != n_prompts:
-            raise ValueError(f"got {len(uncond)} unconditional prompts for {n_prompts} prompts; give one each")
-        streams += [list(map(int, p)) for p in uncond]
-    if config.three_stream:
-        img = image_cond_prompts if image_cond_prompts is not None else [image_only_prompt(p, vocab) for p in streams[:n_prompts]]
-        if len(img) != n_prompts:
-            raise ValueError(f"got {len(img)} image-conditional prompts for {n_prompts} prompts; give one each")
-        streams += [list(map(int, p)) for p in img]
-    n_streams = len(streams) // n_prompts
-    for r, ids in enumerate(streams):
-        which = ("prompt", "unconditional prompt", "image-conditional prompt")[r // n_prompts]
-        if not ids:
-            raise ValueError(f"{which} {r % n_prompts} is empty; start it with <s> (id {vocab.bos_id})")
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"{which} {r % n_prompts} has ids outside [0, {vocab_size}): {bad[:5]}")
-        if len(ids) >= context:
-            raise ValueError(
-                f"{which} {r % n_prompts} has {len(ids)} tokens but the model's context is {context}: "
-                "shorten the prompt (or use a model with a longer max_seq_len)"
-            )
-
-    # ---- per-prompt budgets and the image rules
-    lengths = torch.tensor([len(s) for s in streams], device=device)
-    room = (context - lengths).view(n_streams, n_prompts).min(dim=0).values  # tokens each prompt may add
-    open_codes = torch.tensor([_open_image_codes(p, vocab) for p in streams[:n_prompts]], device=device)
-    need_grid = config.mode != "text" or bool((open_codes >= 0).any())
-    if need_grid and config.image_grid is None:
-        raise ValueError("SamplingConfig.image_grid (h, w) is needed to generate images; use the image tokenizer's grid_shape")
-    n_codes = config.image_grid[0] * config.image_grid[1] if config.image_grid else 0
-    if config.mode == "text" and bool((open_codes >= 0).any()):
-        raise ValueError("a prompt ends inside an image (<boi> without <eoi>) but mode is 'text'; use 'interleaved' or 'image'")
-    if bool((open_codes > n_codes).any()):
-        raise ValueError(f"a prompt's open image already has more than h·w = {n_codes} codes; check image_grid")
-    # tokens a prompt must still get: in image mode a whole image (<boi>, codes, <eoi>); in any mode the
-    # rest of an image the prompt opened
-    finish_open = torch.where(open_codes >= 0, n_codes - open_codes + 1, torch.zeros_like(open_codes))
-    needed = torch.where(open_codes >= 0, finish_open, torch.full_like(open_codes, n_codes + 2)) if config.mode == "image" else finish_open
-    for b in range(n_prompts):
-        if needed[b] > room[b]:
-            raise ValueError(
-                f"prompt {b}: the image needs {int(needed[b])} more tokens (h·w = {n_codes} codes + <boi>/<eoi>) "
-                f"but only {int(room[b])} fit in the context of {context}: shorten the prompt or use a smaller image grid"
-            )
-        if config.max_new_tokens is not None and needed[b] > config.max_new_tokens:
-            raise ValueError(
-                f"prompt {b}: the image needs {int(needed[b])} new tokens but max_new_tokens={config.max_new_tokens}: "
-                "raise it or leave it None"
-            )
-    if config.mode == "image":
-        budget = needed
-    else:
-        budget = room if config.max_new_tokens is None else torch.clamp(room, max=config.max_new_tokens)
-    steps = int(budget.max())
-
-    # ---- vocabulary masks
-    all_ids = torch.arange(vocab_size, device=device)
-    is_image = vocab.is_image(all_ids).to(device)
-    text_ok = vocab.is_text(all_ids).to(device) & ~is_image
-    text_ok[vocab.eos_id] = True
-    sep = getattr(vocab, "sep_id", None)
-    if sep is not None:  # the separator / end-of-turn is text-mode punctuation for chat-style documents
-        text_ok[sep] = True
-    boi_only, eoi_only = all_ids == vocab.boi_id, all_ids == vocab.eoi_id
-    seen = torch.zeros(n_prompts, vocab_size, dtype=torch.bool, device=device)
-    if config.repetition_penalty != 1.0:
-        for b, p in enumerate(streams[:n_prompts]):
-            seen[b, torch.tensor(p, device=device)] = True
-        seen &= text_ok
-
-    # ---- state per prompt
-    in_image = open_codes >= 0
-    codes_done = open_codes.clamp_min(0)
-    n_new = torch.zeros(n_prompts, dtype=torch.long, device=device)
-    done = budget <= 0
+    context = int(model.config.max_seq_len)
+    streams = build_streams(vocab, prompts, config, context, uncond_prompts, image_cond_prompts)
+    rules = ModalityRules(vocab, config, streams.prompts, streams.room(context, device), context)
+    seen = _SeenText(streams.prompts, rules.text_ok) if config.repetition_penalty != 1.0 else None
     generator = None
     if config.seed is not None:
         generator = torch.Generator(device=device).manual_seed(int(config.seed))
-    out = torch.full((n_prompts, max(steps, 1)), vocab.pad_id, dtype=torch.long, device=device)
+    out = torch.full((streams.n_prompts, max(rules.steps, 1)), vocab.pad_id, dtype=torch.long, device=device)
 
     was_training = model.training
     model.eval()
     try:
-        step_logits = _Decoder(model, streams, vocab.pad_id, steps, config.use_kv_cache, device)
-        logits = step_logits.prefill()
-        for step in range(steps):
-            logits = logits.float()
-            # guidance only for image tokens: text uses the conditional stream alone
-            cond = logits[:n_prompts]
-            if n_streams > 1:
-                uncond = logits[n_prompts : 2 * n_prompts]
-                if config.three_stream:
-                    mixed = mix_guidance(cond, uncond, config.cfg_image_scale, logits[2 * n_prompts :], config.cfg_text_scale)
-                else:
-                    mixed = mix_guidance(cond, uncond, config.cfg_scale)
-                cond = torch.where(in_image[:, None], mixed, cond)
-            if config.repetition_penalty != 1.0:
-                cond = apply_repetition_penalty(cond, seen & ~in_image[:, None], config.repetition_penalty)
-
-            # modality rules (Chameleon's release)
-            # a whole image (<boi>, codes, <eoi>) must fit in every stream's row and in max_new_tokens
-            fits = (room - n_new >= n_codes + 2) & (budget - n_new >= n_codes + 2)
-            if config.mode == "text":
-                allowed = text_ok.expand(n_prompts, -1)
-            elif config.mode == "image":
-                allowed = boi_only.expand(n_prompts, -1)  # the row stops at the image's <eoi>
-            else:
-                allowed = text_ok | (boi_only & fits[:, None])
-            image_allowed = torch.where((codes_done < n_codes)[:, None], is_image, eoi_only)
-            allowed = torch.where(in_image[:, None], image_allowed, allowed)
-            cond = cond.masked_fill(~allowed, float("-inf"))
-
-            temperature = torch.where(in_image, config.image_temperature, config.text_temperature)
-            top_k = torch.where(in_image, config.image_top_k, config.text_top_k)
-            top_p = torch.where(in_image, config.image_top_p, config.text_top_p)
-            token = choose_tokens(truncate_logits(cond, top_k, top_p), temperature.float(), generator)
-            token = torch.where(done, torch.full_like(token, vocab.pad_id), token)
+        decoder = _Decoder(model, streams.rows, vocab.pad_id, rules.steps, config.use_kv_cache, device)
+        logits = decoder.prefill()
+        for step in range(rules.steps):
+            scores = _guided(logits.float(), streams.n_prompts, rules.in_image, config)
+            if seen is not None:  # text tokens only
+                text_seen = seen.seen & ~rules.in_image[:, None]
+                scores = apply_repetition_penalty(scores, text_seen, config.repetition_penalty)
+            scores = scores.masked_fill(~rules.allowed(), float("-inf"))
+            token = _sample(scores, rules.in_image, config, generator)
+            token = torch.where(rules.done, torch.full_like(token, vocab.pad_id), token)
             out[:, step] = token
-
-            # advance the state machine
-            live = ~done
-            n_new += live.long()
-            closes = live & in_image & (token == vocab.eoi_id)
-            codes_done = torch.where(live & in_image & ~closes, codes_done + 1, codes_done)
-            opens = live & ~in_image & (token == vocab.boi_id)
-            in_image = (in_image & ~closes) | opens
-            codes_done = torch.where(opens | closes, torch.zeros_like(codes_done), codes_done)
-            if config.repetition_penalty != 1.0:
-                seen[torch.arange(n_prompts, device=device), token] |= live & text_ok[token]
-            finished = n_new >= budget
-            if config.stop_at_eos:
-                finished |= token == vocab.eos_id
-            if config.mode == "image":
-                finished |= closes
-            done = done | (live & finished)
-            if bool(done.all()) or step == steps - 1:
+            if seen is not None:
+                seen.add(token, ~rules.done)
+            rules.advance(token)
+            if rules.all_done or step == rules.steps - 1:
                 break
-            logits = step_logits.step(token.repeat(n_streams), ~done.repeat(n_streams))
+            logits = decoder.step(token.repeat(streams.n_streams), ~rules.done.repeat(streams.n_streams))
     finally:
         model.train(was_training)
-    counts = n_new.tolist()
-    rows = out.tolist()
-    return [rows[b][: counts[b]] for b in range(n_prompts)]
+    return [row[:count] for row, count in zip(out.tolist(), rules.n_new.tolist())]
 
 
 class _Decoder:
     """Feeds tokens to the model for all rows in lockstep, with or without a KV cache; returns last logits."""
 
-    def __init__(self, model: torch.nn.Module, rows: list[list[int]], pad_id: int, steps: int, use_cache: bool, device):
+    def __init__(
+        self, model: torch.nn.Module, rows: list[list[int]], pad_id: int, steps: int, use_cache: bool, device
+    ):
         self.model, self.pad_id, self.use_cache = model, pad_id, use_cache
         width = max(len(r) for r in rows)
         n = len(rows)
@@ -393,7 +503,8 @@ class _Decoder:
         new = (token[:, None], pos[:, None], doc[:, None])
         if self.use_cache:
             return self._last_logits(*new)
-        self.ids, self.pos, self.docs = (torch.cat([a, b], dim=1) for a, b in zip((self.ids, self.pos, self.docs), new))
+        old = (self.ids, self.pos, self.docs)
+        self.ids, self.pos, self.docs = (torch.cat([a, b], dim=1) for a, b in zip(old, new))
         return self._last_logits(self.ids, self.pos, self.docs)
 
     def _last_logits(self, ids: torch.Tensor, pos: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
@@ -403,118 +514,3 @@ class _Decoder:
         # the head on the last column only: a long prompt never materialises (rows, T, V) logits
         hidden = self.model.forward_hidden(ids, position_ids=pos, document_ids=docs, kv_cache=self.cache)
         return head(hidden[:, -1]).float()
-
-
-# ---------------------------------------------------------------- text + images in, segments out
-
-
-def load_prompt_image(item: Any) -> Image.Image:
-    """Open a prompt image (PIL image or path) fully now, so a bad file fails here with its name."""
-    from PIL import Image, UnidentifiedImageError
-
-    if isinstance(item, Image.Image):
-        return item
-    path = Path(item)
-    if not path.is_file():
-        raise FileNotFoundError(f"prompt image {str(path)!r} does not exist: check the path")
-    try:
-        with Image.open(path) as image:
-            image.load()
-            return image.copy()
-    except (UnidentifiedImageError, OSError) as error:
-        raise ValueError(f"prompt image {str(path)!r} cannot be read as an image ({error}); pass a PNG/JPEG file") from error
-
-
-def encode_prompt(segments: list[Any], vocab: Any, image_tokenizer: Any) -> list[int]:
-    """`<s>` + the segments in order (text as BPE, images as `<boi>` codes `<eoi>`), without `</s>`."""
-    parts: list[Any] = []
-    for item in segments:
-        if isinstance(item, str):
-            parts.append(item)
-        elif isinstance(item, (os.PathLike, bytes)) or hasattr(item, "convert"):
-            if image_tokenizer is None:
-                raise ValueError("the prompt contains an image but no image tokenizer was given")
-            codes = image_tokenizer.encode([load_prompt_image(item)])[0]
-            parts.append(codes.cpu())
-        else:
-            raise TypeError(f"prompt segment of type {type(item).__name__}: use str (text), a PIL image, or a pathlib.Path")
-    return list(vocab.encode_document(parts, bos=True, eos=False))
-
-
-def split_segments(ids: list[int], vocab: Any, grid: tuple[int, int] | None) -> list[str | torch.Tensor]:
-    """Generated ids → text strings and (h, w) code grids in order; `</s>` and unfinished images dropped."""
-    segments: list[str | torch.Tensor] = []
-    text: list[int] = []
-    image: list[int] | None = None
-    for token in ids:
-        if image is not None:
-            if token == vocab.eoi_id:
-                if grid is not None and len(image) == grid[0] * grid[1]:
-                    segments.append(torch.tensor(image).view(*grid) - vocab.image_offset)
-                image = None
-            else:
-                image.append(token)
-        elif token == vocab.boi_id:
-            if text:
-                segments.append(vocab.decode_text(text))
-                text = []
-            image = []
-        elif token not in (vocab.eos_id, vocab.pad_id, vocab.bos_id):
-            text.append(token)
-    if text:
-        segments.append(vocab.decode_text(text))
-    return segments
-
-
-def decode_outputs(rows: list[list[int]], vocab: Any, image_tokenizer: Any, grid: tuple[int, int] | None) -> list[list[Any]]:
-    """Generated ids of each prompt → segments, image grids decoded to PIL images (all images in one batch)."""
-    from tokenizer.image import to_pil
-
-    split = [split_segments(row, vocab, grid) for row in rows]
-    grids = [seg for segments in split for seg in segments if not isinstance(seg, str)]
-    if grids and image_tokenizer is None:
-        raise ValueError("the output contains images but no image tokenizer was given to decode them")
-    pixels = image_tokenizer.decode(torch.stack(grids)) if grids else None
-    results, k = [], 0
-    for segments in split:
-        out: list[Any] = []
-        for seg in segments:
-            if isinstance(seg, str):
-                out.append(seg)
-            else:
-                out.append(to_pil(pixels[k]))
-                k += 1
-        results.append(out)
-    return results
-
-
-def generate(
-    model: torch.nn.Module,
-    vocab: Any,
-    image_tokenizer: Any,
-    prompts: list[list[str | Image.Image | os.PathLike]],
-    config: SamplingConfig,
-    *,
-    return_ids: bool = False,
-) -> list[list[str | Image.Image]] | tuple[list[list[str | Image.Image]], list[list[int]]]:
-    """Sample a continuation of each prompt (text, PIL images or pathlib.Path images) as text and PIL images.
-
-    With return_ids, also returns the generated ids of each prompt.
-    """
-    if image_tokenizer is not None:
-        grid = tuple(image_tokenizer.grid_shape)
-        if config.image_grid is not None and tuple(config.image_grid) != grid:
-            raise ValueError(f"SamplingConfig.image_grid={config.image_grid} but the image tokenizer makes {grid} grids")
-        codebook = getattr(getattr(image_tokenizer, "config", None), "codebook_size", None)
-        if codebook is not None and codebook != vocab.image_codes:
-            raise ValueError(
-                f"the image tokenizer has {codebook} codes but the vocabulary has {vocab.image_codes} image ids: "
-                "pass the image tokenizer the vocabulary was built for"
-            )
-        config = replace(config, image_grid=grid)
-    elif config.mode != "text":
-        raise ValueError(f"mode {config.mode!r} can produce images: give an image tokenizer to decode them (or use mode 'text')")
-    ids = [encode_prompt(p, vocab, image_tokenizer) for p in prompts]
-    new_ids = generate_ids(model, vocab, ids, config)
-    samples = decode_outputs(new_ids, vocab, image_tokenizer, config.image_grid)
-    return (samples, new_ids) if return_ids else samples

@@ -26,6 +26,7 @@ from tokenizer.bpe import (
     prune_tokens,
     train_bpe,
 )
+from tokenizer.files import atomic_path
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 BOI, EOI = "<racm3:break>", "<eoss>"  # Chameleon's begin-image / end-image names
@@ -36,6 +37,8 @@ DEFAULT_VOCAB_SIZE, DEFAULT_IMAGE_CODES, DEFAULT_NUM_SPECIALS = 65_536, 8_192, 1
 IMAGE_PREFIX = "IMGIMG"
 _RESERVED = re.compile(r"<reserved_\d+>")
 _DIGITS_AS_LETTERS = str.maketrans("0123456789", "ABCDEFGHIJ")
+_LETTERS_AS_DIGITS = str.maketrans("ABCDEFGHIJ", "0123456789")
+_IMAGE_NAME = re.compile(re.escape(IMAGE_PREFIX) + "([A-J]+)Z")
 
 Segment = "str | torch.Tensor | np.ndarray"
 
@@ -45,9 +48,40 @@ def image_token_name(code: int) -> str:
     return IMAGE_PREFIX + str(int(code)).translate(_DIGITS_AS_LETTERS) + "Z"
 
 
+def image_code_of_name(name: str) -> int | None:
+    """Inverse of image_token_name: the code an image token's name stands for, None for any other name."""
+    match = _IMAGE_NAME.fullmatch(name)
+    if match is None:
+        return None
+    code = int(match.group(1).translate(_LETTERS_AS_DIGITS))
+    return code if image_token_name(code) == name else None  # "IMGIMGABZ" (a leading zero) names nothing
+
+
 def reserved_name(index: int) -> str:
     """Name of the index-th reserved token (unused specials and the filler after BPE)."""
     return f"<reserved_{index}>"
+
+
+@dataclass(frozen=True)
+class Span:
+    """One run of an id sequence (UnifiedVocab.spans): text, or an image from its `<boi>` to its `<eoi>`."""
+
+    kind: str  # "text" or "image"
+    start: int  # position of the first id (an image's <boi>)
+    end: int  # one past the last id (past an image's <eoi> when it has one)
+    closed: bool = True  # False for an image cut short: the sequence ends or another <boi> comes before <eoi>
+
+    @property
+    def is_image(self) -> bool:
+        """Whether this run is an image."""
+        return self.kind == "image"
+
+    @property
+    def body(self) -> slice:
+        """Positions of the content: all of a text run; an image's ids between `<boi>` and `<eoi>`."""
+        if not self.is_image:
+            return slice(self.start, self.end)
+        return slice(self.start + 1, self.end - 1 if self.closed else self.end)
 
 
 @dataclass(frozen=True)
@@ -207,38 +241,59 @@ class UnifiedVocab:
         self._check_ids(ids)
         lay = self.layout
         segments: list[str | torch.Tensor] = []
-        text: list[int] = []  # text ids and specials shown by name, up to the next image
-        image: list[int] | None = None
-        for position, i in enumerate(ids):
-            if image is not None:
-                if i == self.eoi_id:
-                    segments.append(self._grid_of(image, grid_shape, position))
-                    image = None
-                elif lay.image_offset <= i < lay.text_offset:
-                    image.append(i - lay.image_offset)
-                else:
+        for span in self.spans(ids):
+            if not span.is_image:
+                text = []  # text ids and specials shown by name
+                for position in range(span.start, span.end):
+                    i = ids[position]
+                    if i in (self.pad_id, self.bos_id, self.eos_id):
+                        continue
+                    if lay.image_offset <= i < lay.text_offset:
+                        raise ValueError(f"image id {i} at position {position} is outside <boi> ... <eoi>")
+                    if i == self.eoi_id:
+                        raise ValueError(f"<eoi> (id {i}) at position {position} has no matching <boi>")
+                    text.append(i)
+                if text:
+                    segments.append(self.decode_text(text))
+                continue
+            # an image cut short by the next <boi> fails at that <boi>; one cut by the end is kept, 1-D
+            stop = span.body.stop if span.closed or span.end == len(ids) else span.end + 1
+            for position in range(span.body.start, stop):
+                i = ids[position]
+                if not lay.image_offset <= i < lay.text_offset:
                     raise ValueError(
                         f"id {i} ({self.tokenizer.id_to_token(i)!r}) at position {position} is inside an image "
                         f"(after <boi>, before <eoi>) but is not an image code"
                     )
-            elif i == self.boi_id:
-                if text:
-                    segments.append(self.decode_text(text))
-                    text = []
-                image = []
-            elif i in (self.pad_id, self.bos_id, self.eos_id):
-                continue
-            elif lay.image_offset <= i < lay.text_offset:
-                raise ValueError(f"image id {i} at position {position} is outside <boi> ... <eoi>")
-            elif i == self.eoi_id:
-                raise ValueError(f"<eoi> (id {i}) at position {position} has no matching <boi>")
-            else:
-                text.append(i)
-        if image is not None:  # generation stopped inside an image
-            segments.append(torch.tensor(image, dtype=torch.long))
-        if text:
-            segments.append(self.decode_text(text))
+            codes = [i - lay.image_offset for i in ids[span.body]]
+            if span.closed:
+                segments.append(self._grid_of(codes, grid_shape, span.end - 1))
+            else:  # generation stopped inside an image
+                segments.append(torch.tensor(codes, dtype=torch.long))
         return segments
+
+    def spans(self, ids: Iterable[int] | torch.Tensor) -> list[Span]:
+        """The document structure of an id sequence: its text runs and `<boi>` ... `<eoi>` images, in order.
+
+        The one parser of documents; it never raises. Everything between `<boi>` and the next `<eoi>` belongs
+        to the image (callers check that it is image codes). An image is open (closed=False) when the sequence
+        ends first or when another `<boi>` comes first (that `<boi>` starts the next image). A `<eoi>` outside
+        an image is part of the text run around it.
+        """
+        ids = self._as_list(ids)
+        spans: list[Span] = []
+        start, in_image = 0, False
+        for position, i in enumerate(ids):
+            if i == self.boi_id:
+                if position > start:
+                    spans.append(Span("image" if in_image else "text", start, position, closed=not in_image))
+                start, in_image = position, True
+            elif i == self.eoi_id and in_image:
+                spans.append(Span("image", start, position + 1))
+                start, in_image = position + 1, False
+        if len(ids) > start:
+            spans.append(Span("image" if in_image else "text", start, len(ids), closed=not in_image))
+        return spans
 
     # ----- masks --------------------------------------------------------------------------------
     def is_text(self, ids: torch.Tensor) -> torch.Tensor:
@@ -275,15 +330,10 @@ class UnifiedVocab:
         return self._fingerprint
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write one tokenizer.json atomically (temporary file, then rename); returns the path."""
+        """Write one tokenizer.json atomically; returns the path."""
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
+        with atomic_path(path) as tmp:
             self.tokenizer.save(str(tmp), pretty=True)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
         return path
 
     def to_transformers(self):

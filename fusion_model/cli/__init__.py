@@ -20,7 +20,14 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 # Bad input (a missing file, a wrong value, a mismatched vocabulary) exits 2 with one line naming what to change,
 # as argparse does for a bad flag; a run that fails after it started (e.g. a NaN loss) exits 1.
 BAD_INPUT_EXIT = 2
-BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError)
+BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
+)
+
+# The LightningCLI commands keep their generated `--section.option` names and also take the shared flags;
+# each maps a shared flag onto its own option (see `translate_shared_flags`).
+FIT_SHARED_FLAGS = {"--checkpoint": "--ckpt_path", "--vocab": "--data.vocab", "--image-tokenizer": "--data.image_tokenizer"}
+TOKENIZER_SHARED_FLAGS = {"--checkpoint": "--ckpt_path"}
 
 
 def usage() -> str:
@@ -40,6 +47,23 @@ def usage() -> str:
         "Bad input exits with code 2 and one line saying what to change.",
     ]
     return "\n".join(lines)
+
+
+def translate_shared_flags(argv: list[str], aliases: dict[str, str]) -> list[str]:
+    """Rewrite shared flags (`--checkpoint X`, `--vocab=X`) into a LightningCLI command's own option names."""
+    out: list[str] = []
+    for index, arg in enumerate(argv):
+        if arg == "--":  # everything after `--` is a value, never a flag
+            return out + argv[index:]
+        name, sep, value = arg.partition("=")
+        out.append(aliases[name] + sep + value if name in aliases else arg)
+    return out
+
+
+def shared_flags_epilog(aliases: dict[str, str]) -> str:
+    """The `--help` epilog of a LightningCLI command: which shared flag stands for which of its options."""
+    pairs = "; ".join(f"{flag} X = {option} X" for flag, option in aliases.items())
+    return f"Shared flags (the same in every train.py command): {pairs}."
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
@@ -17,7 +16,7 @@ def import_transformers(source: str, output: str) -> Path:
     from transformers import ChameleonForConditionalGeneration
 
     if not (Path(source) / "config.json").is_file():
-        raise FileNotFoundError(f"convert import: {source} has no config.json (give a local transformers directory)")
+        raise FileNotFoundError(f"{source} has no config.json: give `convert import` a local transformers Chameleon directory")
     hf_model = ChameleonForConditionalGeneration.from_pretrained(source, local_files_only=True, dtype=torch.float32)
     return save_model(from_transformers(hf_model), output)
 
@@ -37,27 +36,29 @@ def parser() -> argparse.ArgumentParser:
     """The command-line options."""
     p = argparse.ArgumentParser(prog="train.py convert", description=__doc__)
     sub = p.add_subparsers(dest="direction", required=True)
-    imp = sub.add_parser("import", help="transformers Chameleon directory -> fusion checkpoint (.ckpt)")
-    imp.add_argument("source", help="local directory with config.json + safetensors")
-    imp.add_argument("output", help="checkpoint file to write")
-    exp = sub.add_parser("export", help="fusion checkpoint (.ckpt) -> transformers Chameleon directory")
-    exp.add_argument("checkpoint", help="Lightning checkpoint written by `train.py fit` (or by `convert import`)")
-    exp.add_argument("output", help="directory to write")
+    imp = sub.add_parser("import", help="transformers Chameleon directory -> fusion checkpoint (.ckpt)",
+                         description="transformers Chameleon directory -> fusion checkpoint (.ckpt)")
+    imp.add_argument("source", metavar="HF_DIR", help="local directory with config.json + safetensors")
+    imp.add_argument("--out", required=True, metavar="CKPT", help="checkpoint file to write")
+    exp = sub.add_parser("export", help="fusion checkpoint (.ckpt) -> transformers Chameleon directory",
+                         description="fusion checkpoint (.ckpt) -> transformers Chameleon directory")
+    exp.add_argument("--checkpoint", required=True, metavar="CKPT",
+                     help="Lightning checkpoint written by `train.py fit` (or by `convert import`)")
+    exp.add_argument("--out", required=True, metavar="DIR", help="directory to write")
     exp.add_argument("--vocab", help="the unified tokenizer.json (names the vocabulary; copied into the output)")
     exp.add_argument("--image-tokenizer", help="image tokenizer directory (Chameleon layout) to export as vqmodel")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point for `python train.py convert ...`."""
+    """Entry point for `python train.py convert ...`; bad input raises ValueError (exit code 2 in `train.py`)."""
     args = parser().parse_args(argv)
-    try:
-        if args.direction == "import":
-            path = import_transformers(args.source, args.output)
-        else:
-            path = export_transformers(args.checkpoint, args.output, args.vocab, args.image_tokenizer)
-    except (FileNotFoundError, ValueError, TypeError) as error:
-        print(error if str(error).startswith("convert") else f"convert: {error}", file=sys.stderr)
-        return 1
+    if args.direction == "import":
+        path = import_transformers(args.source, args.out)
+    else:
+        try:
+            path = export_transformers(args.checkpoint, args.out, args.vocab, args.image_tokenizer)
+        except TypeError as error:  # to_transformers refuses an image tokenizer of another layout
+            raise ValueError(str(error)) from error
     print(f"convert: wrote {path}")
     return 0

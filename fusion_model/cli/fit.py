@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.cli import LightningCLI
 
 from data_shards.datamodule import FusionDataModule
+from fusion_model.cli import FIT_SHARED_FLAGS, shared_flags_epilog, translate_shared_flags
 from fusion_model.training.lightning_module import FusionLightningModule, NonFiniteLossError
 
 
@@ -49,14 +50,15 @@ def fit_from_config(config: str | Path | None = None, overrides: list[str] | Non
             run=run,
             save_config_kwargs={"overwrite": True},
             seed_everything_default=0,
+            parser_kwargs={"fit": {"epilog": shared_flags_epilog(FIT_SHARED_FLAGS)}},
         )
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `train.py fit`; configuration errors print one clear line instead of a traceback."""
+    """Entry point of `train.py fit`; bad input raises ValueError, which `train.py` turns into exit code 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        fit_from_config(None, argv)
+        fit_from_config(None, translate_shared_flags(argv, FIT_SHARED_FLAGS))
     except NonFiniteLossError as err:  # the run failed after it started: exit 1 (bad input exits 2 in train.py)
         print(f"train.py fit: {err}", file=sys.stderr)
         return 1

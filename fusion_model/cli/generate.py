@@ -4,8 +4,10 @@ PNG files, a JSON of ids and a self-contained HTML page."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import sys
+import types
+import typing
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -13,8 +15,87 @@ from typing import Any
 import torch
 
 from fusion_model.checkpoint import load_model
+from fusion_model.generation import generate
 from fusion_model.sample_output import write_samples
-from fusion_model.sampling import MODES, SamplingConfig, generate
+from fusion_model.sampling import MODES, SamplingConfig
+
+# The help line of each SamplingConfig field. The options themselves are generated from the dataclass's fields
+# (`add_sampling_options`), so a new field gets its option without a new argparse line (help: this table).
+SAMPLING_HELP: dict[str, str] = {
+    "mode": "text: text only; image: one image right after the prompt; interleaved: the model chooses",
+    "max_new_tokens": "new tokens per sample (default: until </s> or the context is full; image mode: one image)",
+    "text_temperature": "temperature for text tokens; 0 = greedy",
+    "text_top_k": "top-k for text tokens; 0 = off",
+    "text_top_p": "top-p for text tokens; 1 = off",
+    "image_temperature": "temperature for image tokens; 0 = greedy",
+    "image_top_k": "top-k for image tokens; 0 = off",
+    "image_top_p": "top-p for image tokens; 1 = off",
+    "repetition_penalty": "penalty on repeated text tokens; 1 = off",
+    "cfg_scale": "two-stream guidance for image tokens, u + s(c - u), u = the prompt '<s>'; 1 = off",
+    "cfg_image_scale": "three-stream guidance (with --cfg-text-scale): u + s_img(img - u) + s_txt(full - img), "
+                       "img = only the prompt's images",
+    "cfg_text_scale": "text scale of three-stream guidance",
+    "seed": "random seed (batch k uses seed + k)",
+    "stop_at_eos": "keep sampling after </s>",
+    "use_kv_cache": "recompute the whole sequence each step (slow; for checks)",
+}
+# Where a field's option differs from the generated `--field-name` / `--no-field-name` (kept for compatibility).
+FLAG_NAMES = {"stop_at_eos": "--no-eos-stop", "use_kv_cache": "--no-kv-cache"}
+CHOICES: dict[str, tuple[str, ...]] = {"mode": MODES}
+COMMAND_DEFAULTS: dict[str, Any] = {"seed": 0}  # a fixed seed: the same command writes the same samples
+NOT_OPTIONS = {"image_grid"}  # taken from --image-tokenizer
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows defaults, except None (those help lines say what an unset option means)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
+def _option_type(hint: Any) -> Any:
+    """`float | None` -> float; other annotations unchanged."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+        return args[0]
+    return hint
+
+
+def add_sampling_options(group: Any, config_class: type = SamplingConfig) -> list[str]:
+    """Add to `group` (a parser or argument group) one option per field of `config_class`, typed from its
+    annotation, dest = the field name; returns those names.
+
+    An unset option keeps the value of the starting config (SamplingConfig() or, with --chameleon-defaults,
+    SamplingConfig.chameleon()); the help line shows both defaults when they differ.
+    """
+    hints = typing.get_type_hints(config_class)
+    defaults, chameleon = config_class(), config_class.chameleon()
+    dests = []
+    for field in dataclasses.fields(config_class):
+        name = field.name
+        if name in NOT_OPTIONS or not field.init:
+            continue
+        kind, default = _option_type(hints[name]), getattr(defaults, name)
+        help_ = SAMPLING_HELP.get(name, f"SamplingConfig.{name}")
+        if kind is bool:
+            flag = FLAG_NAMES.get(name) or f"--{'no-' if default else ''}{name.replace('_', '-')}"
+            group.add_argument(flag, dest=name, action="store_const", const=not default, default=None, help=help_)
+            dests.append(name)
+            continue
+        notes = [f"default: {default}"] if default is not None and name not in COMMAND_DEFAULTS else []
+        if getattr(chameleon, name) != default:
+            notes.append(f"--chameleon-defaults: {getattr(chameleon, name)}")
+        if notes:
+            help_ += f" ({'; '.join(notes)})"
+        options: dict[str, Any] = {"type": kind}
+        if typing.get_origin(kind) is tuple:  # e.g. (h, w): one value per element
+            options = {"type": typing.get_args(kind)[0], "nargs": len(typing.get_args(kind))}
+        elif kind not in (int, float, str):
+            raise TypeError(f"SamplingConfig.{name}: no command-line option for type {kind}; add it to NOT_OPTIONS")
+        group.add_argument(FLAG_NAMES.get(name, f"--{name.replace('_', '-')}"), dest=name,
+                           default=COMMAND_DEFAULTS.get(name), choices=CHOICES.get(name), help=help_, **options)
+        dests.append(name)
+    return dests
 
 
 class _Segment(argparse.Action):
@@ -31,7 +112,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="train.py generate",
         description=__doc__,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
         epilog="Example: python train.py generate --checkpoint runs/fit/last.ckpt --vocab runs/vocab/tokenizer.json "
         "--image-tokenizer runs/tokenizer/export --prompt 'a photo of a seven' --mode image --cfg-scale 1.5",
     )
@@ -58,29 +139,11 @@ def parser() -> argparse.ArgumentParser:
     pr.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
     pr.add_argument("--batch-size", type=int, default=8, help="prompts sampled together in one batch")
 
-    s = p.add_argument_group("sampling")
-    s.add_argument("--mode", choices=MODES, default="interleaved",
-                   help="text: text only; image: one image right after the prompt; interleaved: the model chooses")
-    s.add_argument("--max-new-tokens", type=int, default=None,
-                   help="new tokens per sample (default: until </s> or the context is full; image mode: one image)")
+    s = p.add_argument_group("sampling (SamplingConfig)")
     s.add_argument("--chameleon-defaults", action="store_true",
                    help="start from Chameleon's release settings (temperature 0.7, top-p 0.9, text repetition "
                         "penalty 1.2, three-stream CFG 1.2 / 3.0); explicit options below override them")
-    for modality in ("text", "image"):
-        s.add_argument(f"--{modality}-temperature", type=float, default=None,
-                       help=f"temperature for {modality} tokens; 0 = greedy (default 1.0)")
-        s.add_argument(f"--{modality}-top-k", type=int, default=None, help=f"top-k for {modality} tokens; 0 = off")
-        s.add_argument(f"--{modality}-top-p", type=float, default=None, help=f"top-p for {modality} tokens; 1 = off")
-    s.add_argument("--repetition-penalty", type=float, default=None, help="penalty on repeated text tokens; 1 = off")
-    s.add_argument("--cfg-scale", type=float, default=None,
-                   help="two-stream guidance for image tokens, u + s(c - u), u = the prompt '<s>'; 1 = off")
-    s.add_argument("--cfg-image-scale", type=float, default=None,
-                   help="three-stream guidance (with --cfg-text-scale): u + s_img(img - u) + s_txt(full - img), "
-                        "img = only the prompt's images")
-    s.add_argument("--cfg-text-scale", type=float, default=None, help="text scale of three-stream guidance")
-    s.add_argument("--seed", type=int, default=0, help="random seed (batch k uses seed + k)")
-    s.add_argument("--no-eos-stop", action="store_true", help="keep sampling after </s>")
-    s.add_argument("--no-kv-cache", action="store_true", help="recompute the whole sequence each step (slow; for checks)")
+    add_sampling_options(s)
 
     p.add_argument("--out", default="runs/samples", help="output directory (PNGs, samples.json, index.html)")
     return p
@@ -115,15 +178,12 @@ def read_prompts(args: argparse.Namespace) -> list[list[Any]]:
 def sampling_config(args: argparse.Namespace) -> SamplingConfig:
     """SamplingConfig from the options (defaults, or Chameleon's with --chameleon-defaults)."""
     base = SamplingConfig.chameleon() if args.chameleon_defaults else SamplingConfig()
-    values = dict(base.__dict__, mode=args.mode, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                  stop_at_eos=not args.no_eos_stop, use_kv_cache=not args.no_kv_cache)
-    for name in ("text_temperature", "text_top_k", "text_top_p", "image_temperature", "image_top_k", "image_top_p",
-                 "repetition_penalty", "cfg_scale", "cfg_image_scale", "cfg_text_scale"):
-        if getattr(args, name) is not None:
-            values[name] = getattr(args, name)
+    fields = [f.name for f in dataclasses.fields(SamplingConfig)]
+    values = {name: getattr(args, name) for name in fields if getattr(args, name, None) is not None}
+    values = {name: tuple(v) if isinstance(v, list) else v for name, v in values.items()}
     if args.cfg_scale is not None and args.cfg_image_scale is None:
         values["cfg_image_scale"] = values["cfg_text_scale"] = None  # an explicit two-stream request wins
-    return SamplingConfig(**values)
+    return replace(base, **values)
 
 
 def run(args: argparse.Namespace) -> dict[str, Path]:
@@ -158,12 +218,8 @@ def run(args: argparse.Namespace) -> dict[str, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point for `python train.py generate ...`."""
+    """Entry point for `python train.py generate ...`; bad input raises ValueError (exit code 2 in `train.py`)."""
     args = parser().parse_args(argv)
-    try:
-        paths = run(args)
-    except (FileNotFoundError, ValueError, TypeError) as error:
-        print(f"generate: {error}", file=sys.stderr)
-        return 1
+    paths = run(args)
     print(f"generate: wrote {paths['html']} and {paths['json']}")
     return 0

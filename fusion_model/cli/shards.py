@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import sys
 from pathlib import Path
 
 
@@ -15,7 +14,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="action", required=True)
 
     write = sub.add_parser("write", help="read sources into raw webdataset shards (one sample = one document)")
-    write.add_argument("out", help="output directory for raw shards (must not hold a manifest yet)")
+    write.add_argument("--out", required=True, metavar="RAW_DIR",
+                       help="output directory for raw shards (must not hold a manifest yet)")
     write.add_argument("--image-folder", action="append", default=[], metavar="DIR",
                        help="folder of images with sidecar NAME.txt captions (repeatable)")
     write.add_argument("--img2dataset", action="append", default=[], metavar="TAR",
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: the jsonl's folder)")
     write.add_argument("--text", action="append", default=[], metavar="FILE",
                        help="text-only corpus: a .txt file (one document) or .jsonl (one per line) (repeatable)")
-    write.add_argument("--text-field", default="text", help="field holding the text in --text .jsonl files")
+    write.add_argument("--text-key", default="text", help="field holding the text in --text .jsonl files")
     write.add_argument("--demo", action="append", default=[], choices=["digits", "photos", "text"],
                        help="built-in offline demo data: captioned MNIST digits, scikit-image photos, "
                             "KJV English text (repeatable)")
@@ -40,8 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="stop at the first bad sample instead of skipping it and listing it in the manifest")
 
     tok = sub.add_parser("tokenize", help="pre-tokenize raw shards into token shards (resumable)")
-    tok.add_argument("raw", help="raw shard directory (from `shards write`)")
-    tok.add_argument("out", help="token shard directory; a rerun skips the shards already finished there")
+    tok.add_argument("raw", metavar="RAW_DIR", help="raw shard directory (from `shards write`)")
+    tok.add_argument("--out", required=True, metavar="TOKENS_DIR",
+                     help="token shard directory; a rerun skips the shards already finished there")
     tok.add_argument("--vocab", required=True, help="unified vocabulary tokenizer.json (from `train.py vocab`)")
     tok.add_argument("--image-tokenizer", default=None,
                      help="trained image tokenizer directory (from `train.py tokenizer`); omit for text-only data")
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
 
     ins = sub.add_parser("inspect", help="summarise a raw or token shard directory")
-    ins.add_argument("dir", help="raw or token shard directory")
+    ins.add_argument("dir", metavar="DIR", help="raw or token shard directory")
     ins.add_argument("--show", type=int, default=0, help="also print the first N documents")
     ins.add_argument("--vocab", default=None, help="tokenizer.json to decode token shards with --show")
     return parser
@@ -67,16 +68,15 @@ def _write(args: argparse.Namespace) -> int:
         streams.append(sources.img2dataset_tars(args.img2dataset))
     streams += [sources.obelics_jsonl(p, args.image_root) for p in args.obelics]
     if args.text:
-        streams.append(sources.text_corpus(args.text, args.text_field))
+        streams.append(sources.text_corpus(args.text, args.text_key))
     demos = {"digits": lambda: sources.demo_digits(args.demo_limit), "photos": sources.demo_photos,
              "text": lambda: sources.demo_text(limit=args.demo_limit)}
     streams += [itertools.islice(demos[name](), args.demo_limit) for name in args.demo]
     if args.emoji_dir:
         streams.append(itertools.islice(sources.demo_emoji(args.emoji_dir), args.demo_limit))
     if not streams:
-        print("shards write: give at least one source (--image-folder, --img2dataset, --obelics, --text, --demo)",
-              file=sys.stderr)
-        return 2
+        raise ValueError("give `shards write` at least one source (--image-folder, --img2dataset, --obelics, --text, "
+                         "--demo)")
     manifest = sources.write_raw(itertools.chain(*streams), args.out, strict=args.strict,
                                  shard_max_bytes=int(args.shard_max_mb * 1024 * 1024),
                                  shard_max_docs=args.shard_max_docs)
@@ -110,9 +110,10 @@ def _tokenize(args: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     manifest_path = Path(args.dir) / "manifest.json"
     if not manifest_path.is_file():
-        print(f"shards inspect: {manifest_path} not found", file=sys.stderr)
-        return 2
-    kind = json.loads(manifest_path.read_text()).get("format", "")
+        raise FileNotFoundError(f"{manifest_path} not found; give `shards inspect` a directory written by "
+                                "`shards write` or `shards tokenize`")
+    manifest = json.loads(manifest_path.read_text())  # a JSONDecodeError is a ValueError: exit code 2
+    kind = manifest.get("format", "") if isinstance(manifest, dict) else ""
     if kind.startswith("early-fusion-raw"):
         from data_shards.raw import iter_raw_shard, read_raw_manifest
 
@@ -147,10 +148,6 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `python train.py shards ...`."""
+    """Entry point of `python train.py shards ...`; bad input (ShardError, ImageLoadError: ValueErrors) exits 2."""
     args = build_parser().parse_args(argv)
-    try:
-        return {"write": _write, "tokenize": _tokenize, "inspect": _inspect}[args.action](args)
-    except (ValueError, OSError) as err:  # ShardError, ImageLoadError, missing files: the message says what to do
-        print(f"shards {args.action}: {type(err).__name__}: {err}", file=sys.stderr)
-        return 1
+    return {"write": _write, "tokenize": _tokenize, "inspect": _inspect}[args.action](args)

@@ -83,7 +83,7 @@ def _limited(texts, max_bytes: float | None, stats: CorpusStats):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Train, save and summarise the unified vocabulary."""
+    """Train, save and summarise the unified vocabulary; bad input raises ValueError / FileNotFoundError."""
     args = build_parser().parse_args(argv)
     stats = CorpusStats()
     texts = iter_corpus(args.corpus, text_key=args.text_key, skip_bad_files=args.skip_bad_files, stats=stats)
@@ -98,10 +98,10 @@ def main(argv: list[str] | None = None) -> int:
             min_frequency=args.min_frequency,
             show_progress=not args.no_progress,
         )
-    except (ValueError, FileNotFoundError, TypeError) as error:
-        skipped = f" ({len(stats.skipped)} non-UTF-8 file(s) were skipped)" if stats.skipped else ""
-        print(f"train.py vocab: error: {error}{skipped}", file=sys.stderr)
-        return 2
+    except (ValueError, FileNotFoundError) as error:  # bad input: `train.py` prints it and exits 2
+        if not stats.skipped:
+            raise
+        raise ValueError(f"{error} ({len(stats.skipped)} non-UTF-8 file(s) were skipped)") from error
     seconds = time.perf_counter() - start
     path = vocab.save(args.out)
     lay = vocab.layout
@@ -119,5 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # through the dispatcher, so bad input exits 2 as in `train.py vocab`
+    from fusion_model.cli import main as train_main
+
+    sys.exit(train_main(["vocab", *sys.argv[1:]]))

@@ -1,29 +1,23 @@
-"""The demo's held-out evaluation: tokenizer fidelity, understanding, generation and interleaved arithmetic."""
+"""The demo's held-out evaluation: understanding, generation and interleaved arithmetic."""
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
 
 import numpy as np
 import torch
 
-from fusion_model.demo.datasets import CALCULATE, EQUALS, PLUS, caption_prompt, parse_digit, pick_by_label
+from fusion_model.demo.datasets import (
+    CALCULATE,
+    EQUALS,
+    PLUS,
+    arithmetic_pairs,
+    caption_prompt,
+    parse_digit,
+    pick_by_label,
+)
+from fusion_model.demo.settings import GenerateSettings
 from fusion_model.sampling import SamplingConfig, generate_ids
-
-
-def psnr(originals: torch.Tensor, reconstructions: torch.Tensor) -> torch.Tensor:
-    """Per-image PSNR in dB of images in [-1, 1] (peak-to-peak range 2)."""
-    mse = (originals.float() - reconstructions.float().clamp(-1, 1)).pow(2).flatten(1).mean(1)
-    return 10 * torch.log10(4.0 / mse.clamp_min(1e-10))
-
-
-def codebook_usage(codes: torch.Tensor, codebook_size: int) -> dict:
-    """How many codebook entries the codes use, and the perplexity of their distribution."""
-    counts = torch.bincount(codes.flatten().long(), minlength=codebook_size).float()
-    p = counts / counts.sum()
-    perplexity = torch.exp(-(p[p > 0] * p[p > 0].log()).sum())
-    return {"used": int((counts > 0).sum()), "size": codebook_size, "perplexity": float(perplexity)}
 
 
 def _batched(model, vocab, prompts: list[list[int]], config: SamplingConfig, batch_size: int, bar=None) -> list[list[int]]:
@@ -41,10 +35,10 @@ def _image_codes(vocab, new_ids: list[list[int]], grid: tuple[int, int]) -> tupl
     codes = torch.zeros(len(new_ids), *grid, dtype=torch.long)
     complete = torch.zeros(len(new_ids), dtype=torch.bool)
     for r, ids in enumerate(new_ids):
-        if vocab.boi_id not in ids:
+        image = next((span for span in vocab.spans(ids) if span.is_image), None)
+        if image is None:
             continue
-        start = ids.index(vocab.boi_id) + 1
-        body = [t - vocab.image_offset for t in ids[start:start + n]]
+        body = [t - vocab.image_offset for t in ids[image.body]]
         if len(body) == n and all(0 <= c < vocab.image_codes for c in body):
             codes[r] = torch.tensor(body).view(*grid)
             complete[r] = True
@@ -53,14 +47,15 @@ def _image_codes(vocab, new_ids: list[list[int]], grid: tuple[int, int]) -> tupl
 
 def _text_before_image(vocab, ids: list[int]) -> str:
     """The text a row generated before its first image."""
-    end = ids.index(vocab.boi_id) if vocab.boi_id in ids else len(ids)
-    return vocab.decode_text([t for t in ids[:end] if t != vocab.eos_id]).strip()
+    spans = vocab.spans(ids)
+    text = ids[spans[0].body] if spans and not spans[0].is_image else []
+    return vocab.decode_text([t for t in text if t != vocab.eos_id]).strip()
 
 
-def image_sampling(settings: dict, grid: tuple[int, int], seed: int) -> SamplingConfig:
+def image_sampling(settings: GenerateSettings, grid: tuple[int, int], seed: int) -> SamplingConfig:
     """Sampling settings for one generated image (temperature, top-k, CFG from the demo config)."""
-    return SamplingConfig(mode="image", image_temperature=settings["temperature"], image_top_k=settings["top_k"],
-                          cfg_scale=settings["cfg_scale"], image_grid=grid, seed=seed)
+    return SamplingConfig(mode="image", image_temperature=settings.temperature, image_top_k=settings.top_k,
+                          cfg_scale=settings.cfg_scale, image_grid=grid, seed=seed)
 
 
 def understanding(model, vocab, codes: torch.Tensor, labels: np.ndarray, *, batch_size: int = 250,
@@ -76,10 +71,10 @@ def understanding(model, vocab, codes: torch.Tensor, labels: np.ndarray, *, batc
     return {"texts": texts, "predicted": predicted, "accuracy": float(np.mean(correct)), "count": len(correct)}
 
 
-def generation(model, vocab, image_tokenizer, classifier, settings: dict, *, seed: int, batch_size: int = 100,
-               bar=None) -> dict:
+def generation(model, vocab, image_tokenizer, classifier, settings: GenerateSettings, *, seed: int,
+               batch_size: int = 100, bar=None) -> dict:
     """Generate `images_per_caption` images for each digit's caption; the independent classifier names each."""
-    per = int(settings["images_per_caption"])
+    per = settings.images_per_caption
     targets = np.repeat(np.arange(10), per)
     prompts = [vocab.encode_document([caption_prompt(int(d))], bos=True, eos=False) for d in targets]
     grid = tuple(image_tokenizer.grid_shape)
@@ -93,13 +88,11 @@ def generation(model, vocab, image_tokenizer, classifier, settings: dict, *, see
 
 
 def interleaved(model, vocab, image_tokenizer, classifier, test_codes: torch.Tensor, test_labels: np.ndarray,
-                settings: dict, *, seed: int, batch_size: int = 100, bar=None) -> dict:
+                settings: GenerateSettings, *, seed: int, batch_size: int = 100, bar=None) -> dict:
     """Prompt `calculate <a> plus <b> equals` with held-out digit images; the model writes its worded sum and then
     the answer image (one interleaved continuation), which the classifier reads."""
-    from fusion_model.demo.datasets import arithmetic_pairs
-
     rng = np.random.default_rng(seed + 1)
-    pairs = arithmetic_pairs(rng, int(settings["arithmetic_examples"]))
+    pairs = arithmetic_pairs(rng, settings.arithmetic_examples)
     a_idx = pick_by_label(test_labels, pairs[:, 0], rng)
     b_idx = pick_by_label(test_labels, pairs[:, 1], rng)
     prompts = [vocab.encode_document([CALCULATE, test_codes[a], PLUS, test_codes[b], EQUALS], bos=True, eos=False)
@@ -118,7 +111,3 @@ def interleaved(model, vocab, image_tokenizer, classifier, test_codes: torch.Ten
     return {"pairs": pairs, "a_index": a_idx, "b_index": b_idx, "codes": codes, "images": images, "texts": texts,
             "predicted": predicted, "answers": answers, "accuracy": float(correct.mean()), "count": len(answers)}
 
-
-def summarize(results: dict[str, Any]) -> dict[str, float]:
-    """The evaluation table's accuracies."""
-    return {name: results[name]["accuracy"] for name in ("understanding", "generation", "interleaved") if name in results}

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from pathlib import Path
 
 import lightning as L
 
+from tokenizer.files import atomic_write_json
+
 
 class LossRecorder(L.Callback):
-    """Every `log_every` optimizer steps, keep the text and image losses; at the end write them as JSON."""
+    """Every `log_every` optimizer steps (default: the trainer's log_every_n_steps), keep the text and image
+    losses; at the end write them as JSON."""
 
-    def __init__(self, path: str, log_every: int = 10) -> None:
+    def __init__(self, path: str, log_every: int | None = None) -> None:
         super().__init__()
         self.path, self.log_every = Path(path), log_every
         self.rows: dict[str, list] = {"step": [], "text": [], "image": [], "tokens": [], "seconds": []}
@@ -22,6 +23,8 @@ class LossRecorder(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Start the clock when training (not setup) starts; a resumed run continues its earlier time."""
         self.start = time.perf_counter() - self._resumed_seconds
+        if self.log_every is None:
+            self.log_every = trainer.log_every_n_steps
 
     # Saved in Lightning checkpoints, so a resumed run continues its curves instead of starting them over.
     def state_dict(self) -> dict:
@@ -48,7 +51,4 @@ class LossRecorder(L.Callback):
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Write the curves and totals atomically."""
         self.rows["final"] = {"steps": trainer.global_step, "tokens": self.tokens, "seconds": time.perf_counter() - self.start}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(self.rows))
-        os.replace(tmp, self.path)
+        atomic_write_json(self.path, self.rows, indent=None)

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import html
 import io
 import json
-import os
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
+
+from fusion_model.demo.settings import DemoConfig
+from tokenizer.files import atomic_write_text
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; max-width: 1100px; margin: 2em auto; color: #222; }
@@ -43,17 +46,6 @@ def image_tag(image: np.ndarray | Image.Image, width: int | None = None, title: 
     """An <img> element with the image inlined."""
     size = f' width="{width}"' if width else ""
     return f'<img class="px" src="{png_base64(image)}"{size} title="{html.escape(title)}" alt="{html.escape(title)}">'
-
-
-def tile(images: np.ndarray, columns: int, pad: int = 2) -> np.ndarray:
-    """Tile uint8 images (N, H, W, 3) into one grid image, `columns` per row, with white gaps."""
-    n, h, w, c = images.shape
-    rows = max(1, -(-n // columns))
-    out = np.full((rows * (h + pad) + pad, columns * (w + pad) + pad, c), 255, dtype=np.uint8)
-    for i, image in enumerate(images):
-        r, k = divmod(i, columns)
-        out[pad + r * (h + pad):pad + r * (h + pad) + h, pad + k * (w + pad):pad + k * (w + pad) + w] = image
-    return out
 
 
 def plot_tag(curves: dict[str, Sequence[tuple[int, float]]], title: str, ylabel: str = "loss") -> str:
@@ -105,16 +97,11 @@ def config_block(config: dict) -> str:
 
 
 def write_html(path: str | Path, title: str, sections: Sequence[str], summary: str = "") -> Path:
-    """Write the report atomically (tmp file + os.replace) and return its path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write the report atomically and return its path."""
     text = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
             f"<style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
             + (f"<p>{summary}</p>" if summary else "") + "".join(sections) + "</body></html>")
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return atomic_write_text(path, text)
 
 
 def _mark(ok: bool) -> str:
@@ -215,14 +202,13 @@ def interleaved_section(a_images: torch.Tensor, b_images: torch.Tensor, answers:
                    "(italic), then the answer image)", "<table>" + "".join(rows) + "</table>")
 
 
-def timings_section(records: dict[str, dict], config: dict) -> str:
+def timings_section(records: dict[str, dict], config: DemoConfig) -> str:
     """Seconds per stage, and the whole configuration."""
-    source = config.get("_source", "")
-    preset = (f" --config {source}" if source else "") + f" --out {config['out_dir']}"
+    preset = (f" --config {config.source}" if config.source else "") + f" --out {config.out_dir}"
     rows = [(name, float(rec["seconds"]), rec.get("finished_at", ""),
              f"python train.py demo{preset} --stage {name} --force {name}" + (f"  |  {rec['command']}" if "command" in rec else ""))
             for name, rec in records.items()]
     rows.append(("total", float(sum(r[1] for r in rows)), "", ""))
     note = "A finished stage is reused when the demo runs again; each can be rerun alone with the command shown."
     return section("Configuration and timings", table(["stage", "seconds", "finished", "rerun alone"], rows)
-                   + config_block({k: v for k, v in config.items() if not k.startswith("_")}), note)
+                   + config_block({k: v for k, v in dataclasses.asdict(config).items() if k != "source"}), note)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
+import shlex
 import shutil
 import time
 from pathlib import Path
@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from fusion_model.demo.bookkeeping import STAGES, read_marker
 from fusion_model.demo.datasets import (
     CALCULATE,
     EQUALS,
@@ -25,15 +26,14 @@ from fusion_model.demo.datasets import (
     to_model_images,
     worded_sum,
 )
-from fusion_model.demo.pipeline import write_json
 from fusion_model.demo.report import to_uint8
+from fusion_model.demo.settings import FIT_CONFIG, DemoConfig, shown_path
 from tokenizer.files import atomic_torch_save
 
 
-def digits_for(config: dict):
+def digits_for(config: DemoConfig):
     """The configured MNIST split."""
-    data = config["data"]
-    return load_digits(held_out=data["held_out"], limit=data["train_limit"], seed=config["seed"])
+    return load_digits(held_out=config.data.held_out, limit=config.data.train_limit, seed=config.seed)
 
 
 def load_image_tokenizer(out_dir: Path):
@@ -50,45 +50,36 @@ def load_vocab(out_dir: Path):
     return UnifiedVocab.load(out_dir / "vocab" / "tokenizer.json")
 
 
-def load_model(out_dir: Path):
-    """The decoder trained by stage 4 (weights only), in eval mode."""
-    from fusion_model.config import FusionConfig
-    from fusion_model.model import FusionModel
+def load_decoder(out_dir: Path):
+    """The decoder trained by stage 4, in eval mode."""
+    from fusion_model.checkpoint import load_model
 
-    folder = out_dir / "train"
-    config = FusionConfig.from_dict(json.loads((folder / "model_config.json").read_text()))
-    model = FusionModel(config)
-    model.load_state_dict(torch.load(folder / "model.pt", map_location="cpu", weights_only=True))
-    return model.eval()
+    return load_model(out_dir / "train" / "model.ckpt").eval()
 
 
-@torch.no_grad()
-def tokenizer_fidelity(image_tokenizer, images: torch.Tensor, batch_size: int = 250) -> dict:
-    """Held-out PSNR and codebook usage of encode -> decode."""
-    from fusion_model.demo.evaluate import codebook_usage, psnr
+def tokenizer_fidelity(image_tokenizer, images: torch.Tensor) -> dict:
+    """Held-out PSNR and codebook usage of encode -> decode (the tokenizer's own evaluation)."""
+    from tokenizer.image.evaluate import evaluate
 
-    codes = torch.cat([image_tokenizer.encode(images[i:i + batch_size]) for i in range(0, len(images), batch_size)])
-    recon = torch.cat([image_tokenizer.decode(codes[i:i + batch_size]) for i in range(0, len(codes), batch_size)])
-    usage = codebook_usage(codes, image_tokenizer.config.codebook_size)
-    return {"psnr_db": float(psnr(images, recon).mean()), "codebook_used": usage["used"],
-            "codebook_size": usage["size"], "code_perplexity": usage["perplexity"]}
+    metrics = evaluate(image_tokenizer, images, batch_size=250)
+    return {"psnr_db": metrics["psnr_db"], "codebook_used": metrics["codes_used"],
+            "codebook_size": image_tokenizer.config.codebook_size, "code_perplexity": metrics["perplexity"]}
 
 
 # ---------------------------------------------------------------- 1. image tokenizer
 
 
-def run_tokenizer(config: dict, out_dir: Path, progress: bool = True) -> dict:
+def run_tokenizer(config: DemoConfig, out_dir: Path, progress: bool = True) -> dict:
     """Train the VQ image tokenizer (preset demo-64) on training digits; measure it on held-out ones."""
     from tokenizer.image.train import fit_image_tokenizer
 
     digits = digits_for(config)
-    size = config["data"]["image_size"]
-    settings = config["tokenizer"]
+    size, settings = config.data.image_size, config.tokenizer
     start = time.perf_counter()
     image_tokenizer, info = fit_image_tokenizer(
-        to_model_images(digits.train_images, size), preset=settings["preset"], batch_size=settings["batch_size"],
-        max_steps=settings["max_steps"], max_minutes=settings["max_minutes"], seed=config["seed"],
-        progress=progress, log_dir=out_dir / "tokenizer" / "logs", overrides=settings.get("overrides") or None,
+        to_model_images(digits.train_images, size), preset=settings.preset, batch_size=settings.batch_size,
+        max_steps=settings.max_steps, max_minutes=settings.max_minutes, seed=config.seed,
+        progress=progress, log_dir=out_dir / "tokenizer" / "logs", overrides=settings.overrides or None,
     )
     minutes = (time.perf_counter() - start) / 60
     image_tokenizer.save_pretrained(out_dir / "tokenizer" / "model")
@@ -108,21 +99,20 @@ def english_lines(count: int) -> list[str]:
     return list(islice(iter_kjv(), count))
 
 
-def run_vocab(config: dict, out_dir: Path, progress: bool = True) -> dict:
+def run_vocab(config: DemoConfig, out_dir: Path, progress: bool = True) -> dict:
     """Train a small byte-level BPE on English + the captions; merge it with the image codes into one vocabulary."""
     from tokenizer.image.config import ImageTokenizerConfig
     from tokenizer.vocab import train_unified_vocab
 
-    settings = config["vocab"]
-    image_settings = config["tokenizer"]
-    codes = ImageTokenizerConfig.from_preset(image_settings["preset"], **(image_settings.get("overrides") or {})).codebook_size
-    english = english_lines(settings["english_lines"])
+    settings, image_settings = config.vocab, config.tokenizer
+    codes = ImageTokenizerConfig.from_preset(image_settings.preset, **image_settings.overrides).codebook_size
+    english = english_lines(settings.english_lines)
     # The captions are repeated to about a third of the characters, so that their words become single
     # tokens even in a small vocabulary (short sequences train faster and caption in fewer steps).
     captions = caption_texts()
     repeat = max(1, sum(map(len, english)) // (2 * sum(map(len, captions))))
     texts = english + captions * repeat
-    vocab = train_unified_vocab(texts, vocab_size=settings["vocab_size"], image_codes=codes, show_progress=progress)
+    vocab = train_unified_vocab(texts, vocab_size=settings.vocab_size, image_codes=codes, show_progress=progress)
     vocab.save(out_dir / "vocab" / "tokenizer.json")
     example = caption(7, 0)
     return {"vocab_size": vocab.vocab_size, "image_codes": vocab.image_codes, "image_offset": vocab.image_offset,
@@ -137,15 +127,15 @@ def _pil(images: torch.Tensor) -> list[Image.Image]:
     return [Image.fromarray(a) for a in to_uint8(images)]
 
 
-def run_shards(config: dict, out_dir: Path, progress: bool = True) -> dict:
+def run_shards(config: DemoConfig, out_dir: Path, progress: bool = True) -> dict:
     """Write captioned digits and arithmetic documents as raw shards, then pre-tokenize them."""
     from data_shards.pretokenize import pretokenize
     from data_shards.raw import RawShardWriter
 
-    data, settings = config["data"], config["shards"]
+    data, settings = config.data, config.shards
     digits = digits_for(config)
-    rng = np.random.default_rng(config["seed"])
-    size, augment = data["image_size"], bool(data.get("augment", False))
+    rng = np.random.default_rng(config.seed)
+    size, augment = data.image_size, data.augment
 
     def copy_of_digits(index: int) -> list[Image.Image]:
         """Copy 0 is the digits as they are; with `augment`, every other copy is randomly rotated/scaled/shifted."""
@@ -157,13 +147,13 @@ def run_shards(config: dict, out_dir: Path, progress: bool = True) -> dict:
     # same configuration are kept (the pipeline clears the folder otherwise), so pre-tokenizing resumes.
     if raw_dir.exists():
         shutil.rmtree(raw_dir)
-    pairs = arithmetic_pairs(rng, data["arithmetic_documents"])
-    with RawShardWriter(raw_dir, shard_max_docs=settings["samples_per_shard"], prefix="demo") as writer:
-        for variant in range(data["captions_per_image"]):
+    pairs = arithmetic_pairs(rng, data.arithmetic_documents)
+    with RawShardWriter(raw_dir, shard_max_docs=settings.samples_per_shard, prefix="demo") as writer:
+        for variant in range(data.captions_per_image):
             images = copy_of_digits(variant)
             for i, label in enumerate(digits.train_labels):
                 writer.add(f"digit_{i:05d}_{variant}", [caption(int(label), int(rng.integers(0, 4))), images[i]])
-        images = copy_of_digits(data["captions_per_image"])
+        images = copy_of_digits(data.captions_per_image)
         a_idx = pick_by_label(digits.train_labels, pairs[:, 0], rng)
         b_idx = pick_by_label(digits.train_labels, pairs[:, 1], rng)
         c_idx = pick_by_label(digits.train_labels, pairs.sum(axis=1), rng)
@@ -173,9 +163,9 @@ def run_shards(config: dict, out_dir: Path, progress: bool = True) -> dict:
                                         images[c]])
     raw_manifest = writer.manifest
     manifest = pretokenize(raw_dir, token_dir, load_vocab(out_dir), load_image_tokenizer(out_dir),
-                           flip_probability=settings["flip_probability"], seed=config["seed"], progress=progress)
+                           flip_probability=settings.flip_probability, seed=config.seed, progress=progress)
     return {"raw_documents": raw_manifest["documents"], "raw_images": raw_manifest["images"],
-            "caption_documents": len(digits.train_labels) * data["captions_per_image"],
+            "caption_documents": len(digits.train_labels) * data.captions_per_image,
             "arithmetic_documents": len(pairs), "token_documents": manifest["documents"],
             "tokens": manifest["tokens"]}
 
@@ -183,30 +173,30 @@ def run_shards(config: dict, out_dir: Path, progress: bool = True) -> dict:
 # ---------------------------------------------------------------- 5. generation and evaluation
 
 
-def run_generate(config: dict, out_dir: Path, progress: bool = True) -> dict:
+def run_generate(config: DemoConfig, out_dir: Path, progress: bool = True) -> dict:
     """Train the independent classifier on real digits, then generate and score on held-out data."""
     from tqdm.auto import tqdm
 
     from fusion_model.demo import evaluate
     from fusion_model.demo.classifier import train_classifier
 
-    settings, size, seed = config["generate"], config["data"]["image_size"], config["seed"]
+    settings, size, seed = config.generate, config.data.image_size, config.seed
     digits = digits_for(config)
     folder = out_dir / "generate"
     folder.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     classifier = train_classifier(to_model_images(digits.train_images, size), digits.train_labels, seed=seed,
-                                  epochs=int(settings["classifier_epochs"]), progress=progress)
+                                  epochs=settings.classifier_epochs, progress=progress)
     atomic_torch_save(classifier.state_dict(), folder / "classifier.pt")
     classifier_seconds = time.perf_counter() - start
-    image_tokenizer, vocab, model = load_image_tokenizer(out_dir), load_vocab(out_dir), load_model(out_dir)
+    image_tokenizer, vocab, model = load_image_tokenizer(out_dir), load_vocab(out_dir), load_decoder(out_dir)
     test_images = to_model_images(digits.test_images, size)
     with torch.no_grad():
         test_codes = image_tokenizer.encode(test_images)
         real_acc = float((classifier.predict(test_images).numpy() == digits.test_labels).mean())
         recon_acc = float((classifier.predict(image_tokenizer.decode(test_codes)).numpy() == digits.test_labels).mean())
-    n_under = min(int(settings["understanding_examples"]), len(digits.test_labels))
-    total = n_under + 10 * int(settings["images_per_caption"]) + int(settings["arithmetic_examples"])
+    n_under = min(settings.understanding_examples, len(digits.test_labels))
+    total = n_under + 10 * settings.images_per_caption + settings.arithmetic_examples
     with tqdm(total=total, desc="generate", disable=not progress, leave=False) as bar:
         under = evaluate.understanding(model, vocab, test_codes[:n_under], digits.test_labels[:n_under], bar=bar)
         gen = evaluate.generation(model, vocab, image_tokenizer, classifier, settings, seed=seed, bar=bar)
@@ -226,7 +216,7 @@ def run_generate(config: dict, out_dir: Path, progress: bool = True) -> dict:
             "interleaved_accuracy": inter["accuracy"], "interleaved_count": inter["count"],
             "classifier_accuracy_real": real_acc, "classifier_accuracy_reconstructed": recon_acc,
             "classifier_seconds": classifier_seconds,
-            "sampling": {k: settings[k] for k in ("temperature", "top_k", "cfg_scale")}}
+            "sampling": {k: getattr(settings, k) for k in ("temperature", "top_k", "cfg_scale")}}
 
 
 # ---------------------------------------------------------------- 4. pretraining
@@ -235,89 +225,87 @@ def run_generate(config: dict, out_dir: Path, progress: bool = True) -> dict:
 AUTO_STEPS_CAP = 1_000_000  # max_steps until TimeBudget has measured the step rate
 
 
-def fit_config(config: dict, out_dir: Path, vocab, progress: bool) -> dict:
-    """The `train.py fit` YAML for the demo: the 7B preset's module and loader, a small decoder, CPU fp32."""
-    from fusion_model.config import FusionConfig
-
-    settings, folder = config["train"], out_dir / "train"
-    model = FusionConfig.from_preset(settings["preset"], vocab_size=vocab.vocab_size, image_offset=vocab.image_offset,
-                                     image_codes=vocab.image_codes, max_seq_len=settings["seq_len"],
-                                     dropout=settings["dropout"])
-    minutes = float(settings["max_minutes"])
-    # "auto": as many steps as fit in max_minutes, measured on the first steps (the lr decay then ends on time)
-    auto_steps = settings["max_steps"] == "auto"
+def fit_overrides(config: DemoConfig, out_dir: Path, vocab, progress: bool) -> list[str]:
+    """`train.py fit` options that follow `--config configs/fusion/demo.yaml`: the demo's paths, vocabulary,
+    time budget and callbacks, and the train section's replacements for that file's values."""
+    settings, folder = config.train, out_dir / "train"
+    minutes = float(settings.max_minutes)
+    # "auto": as many steps as fit in max_minutes, measured on the first steps (the lr decay ends on time)
+    auto_steps = settings.max_steps == "auto"
     callbacks = [
         {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
          "init_args": {"dirpath": str(folder / "checkpoints"), "every_n_train_steps": 100, "save_last": True,
                        "save_top_k": 1}},
-        {"class_path": "fusion_model.training.callbacks.ThroughputMonitor"},
-        *([{"class_path": "fusion_model.training.callbacks.TimeBudget", "init_args": {"minutes": minutes}}] if auto_steps else []),
+        *([{"class_path": "fusion_model.training.callbacks.TimeBudget", "init_args": {"minutes": minutes}}]
+          if auto_steps else []),
         {"class_path": "fusion_model.demo.recorder.LossRecorder",
-         "init_args": {"path": str(folder / "losses.json"), "log_every": settings["log_every"]}},
+         "init_args": {"path": str(folder / "losses.json")}},
+        *([{"class_path": "lightning.pytorch.callbacks.TQDMProgressBar"}] if progress else []),
     ]
-    if progress:
-        callbacks.append({"class_path": "lightning.pytorch.callbacks.TQDMProgressBar"})
-    return {
-        "seed_everything": config["seed"],
-        "trainer": {
-            "accelerator": "cpu", "devices": 1, "precision": "32-true", "max_steps": AUTO_STEPS_CAP if auto_steps else settings["max_steps"],
-            "max_time": f"00:00:{int(minutes):02d}:{int(round(minutes % 1 * 60)):02d}", "max_epochs": -1,
-            "gradient_clip_val": 1.0, "log_every_n_steps": settings["log_every"], "num_sanity_val_steps": 0,
-            "enable_model_summary": False, "enable_progress_bar": progress, "default_root_dir": str(folder),
-            "logger": [{"class_path": "lightning.pytorch.loggers.CSVLogger",
-                        "init_args": {"save_dir": str(folder), "name": "csv"}}],
-            "callbacks": callbacks,
-        },
-        "model": {"config": model.to_dict(), "lr": settings["lr"], "weight_decay": settings["weight_decay"],
-                  "warmup_steps": settings["warmup_steps"], "lr_schedule": "cosine", "min_lr_ratio": 0.1},
-        "data": {"train_dir": str(out_dir / "shards" / "tokens"), "val_dir": None, "seq_len": settings["seq_len"],
-                 "batch_size": settings["batch_size"], "num_workers": 0, "seed": config["seed"],
-                 "vocab": str(out_dir / "vocab" / "tokenizer.json"),
-                 "image_tokenizer": str(out_dir / "tokenizer" / "model")},
+    replaced = {  # the train section's values that replace configs/fusion/demo.yaml's (None keeps the file's)
+        "data.seq_len": settings.seq_len, "model.config.max_seq_len": settings.seq_len,
+        "data.batch_size": settings.batch_size, "model.lr": settings.lr,
+        "model.warmup_steps": settings.warmup_steps, "model.weight_decay": settings.weight_decay,
+        "model.config.dropout": settings.dropout, "trainer.log_every_n_steps": settings.log_every,
     }
+    options = {
+        "seed_everything": config.seed,
+        "trainer.max_steps": AUTO_STEPS_CAP if auto_steps else settings.max_steps,
+        "trainer.max_time": f"00:00:{int(minutes):02d}:{int(round(minutes % 1 * 60)):02d}",
+        "trainer.enable_progress_bar": progress,
+        "trainer.default_root_dir": str(folder),
+        "trainer.logger.init_args.save_dir": str(folder),
+        "model.config.vocab_size": vocab.vocab_size,
+        "model.config.image_offset": vocab.image_offset,
+        "model.config.image_codes": vocab.image_codes,
+        "data.train_dir": str(out_dir / "shards" / "tokens"),
+        "data.seed": config.seed,
+        "data.vocab": str(out_dir / "vocab" / "tokenizer.json"),
+        "data.image_tokenizer": str(out_dir / "tokenizer" / "model"),
+        **{key: value for key, value in replaced.items() if value is not None},
+    }
+    args = [f"--{key}={value if isinstance(value, str) else json.dumps(value)}"
+            for key, value in options.items()]
+    return args + [f"--trainer.callbacks+={json.dumps(callback)}" for callback in callbacks]
 
 
-def run_train(config: dict, out_dir: Path, progress: bool = True) -> dict:
-    """Pretrain the decoder through `train.py fit`'s LightningCLI; resumes from the last checkpoint if interrupted."""
-    import yaml
-
+def run_train(config: DemoConfig, out_dir: Path, progress: bool = True) -> dict:
+    """Pretrain the decoder through `train.py fit`'s LightningCLI; resumes from the last checkpoint."""
+    from fusion_model.checkpoint import save_model
     from fusion_model.cli.fit import fit_from_config
 
     folder = out_dir / "train"
     folder.mkdir(parents=True, exist_ok=True)
-    fit_yaml = folder / "fit.yaml"
-    tmp = fit_yaml.with_name(fit_yaml.name + ".tmp")
-    tmp.write_text(yaml.safe_dump(fit_config(config, out_dir, load_vocab(out_dir), progress), sort_keys=False))
-    os.replace(tmp, fit_yaml)
+    overrides = fit_overrides(config, out_dir, load_vocab(out_dir), progress)
     last = folder / "checkpoints" / "last.ckpt"
-    overrides = [f"--ckpt_path={last}"] if last.is_file() else []
-    cli = fit_from_config(fit_yaml, overrides)
-    module = cli.model
-    atomic_torch_save(module.model.state_dict(), folder / "model.pt")
-    write_json(folder / "model_config.json", module.model_config.to_dict())
+    resume = [f"--ckpt_path={last}"] if last.is_file() else []
+    model = fit_from_config(FIT_CONFIG, overrides + resume).model.model
+    save_model(model, folder / "model.ckpt")
     if not (folder / "losses.json").is_file():  # fit returned without training (e.g. a finished checkpoint)
         raise RuntimeError(f"training in {folder} ended without recording losses; rerun with --force train")
     final = json.loads((folder / "losses.json").read_text())["final"]
     minutes = final["seconds"] / 60
     return {"steps": int(final["steps"]), "tokens": int(final["tokens"]), "minutes": minutes,
             "tokens_per_second": final["tokens"] / max(final["seconds"], 1e-9),
-            "parameters": sum(p.numel() for p in module.model.parameters()),
-            "fit_config": str(fit_yaml), "command": f"python train.py fit --config {fit_yaml}"}
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "checkpoint": str(folder / "model.ckpt"),
+            "fit_config": shown_path(FIT_CONFIG), "fit_overrides": overrides,
+            "command": shlex.join(["python", "train.py", "fit", "--config", shown_path(FIT_CONFIG),
+                                   *overrides])}
 
 
 # ---------------------------------------------------------------- 6. report
 
 
-def run_report(config: dict, out_dir: Path, progress: bool = True) -> dict:
+def run_report(config: DemoConfig, out_dir: Path, progress: bool = True) -> dict:
     """Write `<out>/report.html`: tokenizer, losses, generations, captions, arithmetic, evaluation, timings."""
     from fusion_model.demo import report
     from fusion_model.demo.datasets import caption_prompt, parse_digit
-    from fusion_model.demo.evaluate import psnr
-    from fusion_model.demo.pipeline import STAGES, read_marker
+    from tokenizer.image.losses import psnr
 
     records = {name: read_marker(out_dir, name) for name in STAGES if name != "report"}
     digits = digits_for(config)
-    size, shown = config["data"]["image_size"], int(config["generate"]["samples_shown"])
+    size, shown = config.data.image_size, config.generate.samples_shown
     image_tokenizer = load_image_tokenizer(out_dir)
     test_images = to_model_images(digits.test_images, size)
     samples = torch.load(out_dir / "generate" / "samples.pt", map_location="cpu", weights_only=True)
@@ -336,10 +324,10 @@ def run_report(config: dict, out_dir: Path, progress: bool = True) -> dict:
                f"interleaved arithmetic <b>{gen['interleaved_accuracy']:.1%}</b> (chance 10%).")
     sections = [
         report.evaluation_section(records),
-        report.tokenizer_section(records["tokenizer"], originals, recon, psnr(originals, recon)),
+        report.tokenizer_section(records["tokenizer"], originals, recon, psnr(recon, originals)),
         report.loss_section(losses),
         report.generation_section(generated, samples["generation_targets"].numpy(),
-                                  samples["generation_predicted"].numpy(), int(config["generate"]["images_per_caption"]),
+                                  samples["generation_predicted"].numpy(), config.generate.images_per_caption,
                                   shown, [caption_prompt(d) for d in range(10)]),
         report.captions_section(test_images, samples["understanding_texts"][:n_cap],
                                 samples["understanding_labels"].numpy()[:n_cap], n_cap, parse_digit),

@@ -8,26 +8,7 @@ from pathlib import Path
 import lightning as L
 import torch
 
-
-def measure_peak_flops(device: torch.device, dtype: torch.dtype, size: int | None = None, repeats: int = 5) -> float:
-    """Achieved FLOP/s of a square matmul on `device` in `dtype`: the MFU denominator when no peak is configured."""
-    size = size or (8192 if device.type == "cuda" else 1024)
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    a @ b  # warm-up (kernel selection, allocation)
-    _sync(device)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        a @ b
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return 2.0 * size**3 / best
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from fusion_model.flops import matmul_peak_flops, sync
 
 
 class ThroughputMonitor(L.Callback):
@@ -49,13 +30,13 @@ class ThroughputMonitor(L.Callback):
         """Measure the peak once if none was configured."""
         if self.peak_flops is None:
             dtype = torch.bfloat16 if "bf16" in str(trainer.precision) else torch.float32
-            self.peak_flops = measure_peak_flops(pl_module.device, dtype)
+            self.peak_flops = matmul_peak_flops(dtype, pl_module.device)
         self._last_step = trainer.global_step
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
         """Start the clock at the first micro-batch of an optimizer step."""
         if self._window_start is None:
-            _sync(pl_module.device)
+            sync(pl_module.device)
             self._window_start = time.perf_counter()
             self._window_tokens = 0
         self._window_tokens += batch["input_ids"].numel()
@@ -65,7 +46,7 @@ class ThroughputMonitor(L.Callback):
         if trainer.global_step == self._last_step or self._window_start is None:
             return  # still accumulating
         self._last_step = trainer.global_step
-        _sync(pl_module.device)
+        sync(pl_module.device)
         seconds = time.perf_counter() - self._window_start
         self._window_start = None
         tokens_per_s = self._window_tokens * trainer.world_size / max(seconds, 1e-9)
@@ -76,7 +57,7 @@ class ThroughputMonitor(L.Callback):
 
 
 class SampleWriter(L.Callback):
-    """Every `every_n_steps` optimizer steps, samples a continuation of each prompt (fusion_model.sampling) and
+    """Every `every_n_steps` optimizer steps, samples a continuation of each prompt (fusion_model.generation) and
     rank 0 writes them to `<log_dir>/samples/step<N>/` (samples.json, index.html, PNGs of generated images)."""
 
     def __init__(
@@ -115,8 +96,9 @@ class SampleWriter(L.Callback):
         if step == 0 or step % self.every_n_steps or step == self._last_written:
             return
         self._last_written = step
+        from fusion_model.generation import generate
         from fusion_model.sample_output import write_samples
-        from fusion_model.sampling import SamplingConfig, generate
+        from fusion_model.sampling import SamplingConfig
 
         # a seeded generator inside `generate`: the training RNG streams (dropout) are left untouched
         config = SamplingConfig(mode=self.mode, max_new_tokens=self.max_new_tokens, seed=self.seed)

@@ -8,7 +8,7 @@ from typing import Any
 import lightning as L
 import torch
 
-from fusion_model.config import FusionConfig
+from fusion_model.config import FusionConfig, FusionConfigDict
 from fusion_model.model import FusionModel
 from fusion_model.training.checkpointing import rng_state, set_rng_state
 from fusion_model.training.optim import WarmupDecay, build_adamw, build_scheduler
@@ -29,7 +29,7 @@ class FusionLightningModule(L.LightningModule):
 
     def __init__(
         self,
-        config: FusionConfig | None = None,
+        config: FusionConfigDict | FusionConfig | None = None,
         lr: float = 1e-4,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-5,
@@ -45,7 +45,11 @@ class FusionLightningModule(L.LightningModule):
         loss_chunk_size: int = 4096,
         nonfinite: str = "stop",
     ) -> None:
-        """`config` is the decoder (a FusionConfig or its dict); the rest is the recipe (defaults: Chameleon's).
+        """`config` is the decoder; the rest is the recipe (defaults: Chameleon's).
+
+        config: a FusionConfig, or a dict naming a preset plus field overrides ({"preset": "small",
+        "dropout": 0.1}; see FusionConfig.from_dict), or None for the tiny preset. hparams["config"] always
+        holds the full resolved dict, so a checkpoint rebuilds the same decoder even if a preset changes.
 
         decay_steps: where the lr reaches `min_lr_ratio` x lr (default: trainer.max_steps).
         nonfinite: "stop" raises NonFiniteLossError naming the step and batch (no checkpoint is written
@@ -54,7 +58,7 @@ class FusionLightningModule(L.LightningModule):
         super().__init__()
         if config is None:
             config = FusionConfig.from_preset("tiny")
-        if isinstance(config, dict):
+        if not isinstance(config, FusionConfig):
             config = FusionConfig.from_dict(config)
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite={nonfinite!r}: choose one of {NONFINITE_POLICIES}")

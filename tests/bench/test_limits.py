@@ -4,23 +4,24 @@ import pytest
 import torch
 
 import bench.limits as limits
+import fusion_model.flops as flops  # the one matmul peak and timer, which bench.limits re-exports
 
 
 def test_matmul_peak_counts_two_flops_per_multiply_add(monkeypatch):
-    monkeypatch.setattr(limits, "_best_seconds", lambda fn, device, repeats, warmup, min_seconds: 0.5)
+    monkeypatch.setattr(flops, "best_seconds", lambda fn, device, repeats, warmup, min_seconds: 0.5)
     assert limits.matmul_peak_flops(size=64) == 2 * 64**3 / 0.5
 
 
 def test_copy_bandwidth_counts_bytes_read_and_written(monkeypatch):
-    monkeypatch.setattr(limits, "_best_seconds", lambda fn, device, repeats, warmup, min_seconds: 2.0)
+    monkeypatch.setattr(limits, "best_seconds", lambda fn, device, repeats, warmup, min_seconds: 2.0)
     assert limits.copy_bandwidth(nbytes=4096) == 2 * 4096 / 2.0
 
 
 def test_best_seconds_runs_the_function_and_keeps_the_fastest(monkeypatch):
     clock = iter([0.0, 100.0, 102.0, 103.0, 103.5, 110.0, 113.0, 114.0])  # window, 3 start/stop pairs, check
-    monkeypatch.setattr(limits.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(flops.time, "perf_counter", lambda: next(clock))
     calls = []
-    seconds = limits._best_seconds(lambda: calls.append(1), torch.device("cpu"), repeats=3, warmup=2)
+    seconds = flops.best_seconds(lambda: calls.append(1), torch.device("cpu"), repeats=3, warmup=2)
     assert len(calls) == 5  # 2 warm-up + 3 timed
     assert seconds == 0.5  # the calls took 2, 0.5 and 3 fake seconds
 
@@ -31,9 +32,9 @@ def test_best_seconds_keeps_going_for_its_time_window(monkeypatch):
     def call():
         fake["now"] += 1.0
 
-    monkeypatch.setattr(limits.time, "perf_counter", lambda: fake["now"])
+    monkeypatch.setattr(flops.time, "perf_counter", lambda: fake["now"])
     calls_before = fake["now"]
-    limits._best_seconds(call, torch.device("cpu"), repeats=2, warmup=0, min_seconds=10)
+    flops.best_seconds(call, torch.device("cpu"), repeats=2, warmup=0, min_seconds=10)
     assert fake["now"] - calls_before == 10  # ten 1-second calls fill the 10-second window
 
 

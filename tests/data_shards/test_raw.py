@@ -42,7 +42,16 @@ def test_writer_round_trips_interleaved_documents_and_splits_shards(tmp_path):
         assert [s if isinstance(s, str) else "IMG" for s in segments] == ["caption", "IMG", "more text", "IMG"]
         first = Image.open(io.BytesIO(segments[1][1]))
         assert first.size == (12, 10) and first.getpixel((0, 0)) == docs[key][1].getpixel((0, 0))
-    assert not list(tmp_path.glob("*.tmp"))
+    names = ["manifest.json"] + [shard["name"] for shard in manifest["shards"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names), "no temporary files are left behind"
+
+
+def test_a_failing_writer_leaves_no_shard_and_no_temporary_file(tmp_path):
+    with pytest.raises(RuntimeError, match="crash"), RawShardWriter(tmp_path, shard_max_docs=1) as writer:
+        writer.add("done", ["finished shard"])
+        writer.add("half", ["open shard"])  # starts a second shard, never finished
+        raise RuntimeError("crash")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-000000.tar"]
 
 
 def test_writer_limits_shard_bytes(tmp_path):

@@ -13,10 +13,10 @@ from fusion_model.hf_convert import (  # noqa: E402
     PLACEHOLDER_VQ_CONFIG,
     from_transformers,
     image_block,
-    image_token_name,
     to_transformers,
 )
 from fusion_model.model import FusionModel  # noqa: E402
+from tokenizer.vocab import image_token_name  # noqa: E402
 
 hf_logging.set_verbosity_error()  # exports without an image tokenizer leave the VQ encoder uninitialised
 
@@ -150,13 +150,15 @@ def test_export_rejects_an_image_tokenizer_it_cannot_map(tmp_path):
 def test_convert_cli_import_and_export_round_trip(tmp_path, capsys):
     reference = hf_model(True, 2)
     reference.save_pretrained(tmp_path / "hf")
-    assert convert_main(["import", str(tmp_path / "hf"), str(tmp_path / "model.ckpt")]) == 0
-    assert convert_main(["export", str(tmp_path / "model.ckpt"), str(tmp_path / "out")]) == 0
+    assert convert_main(["import", str(tmp_path / "hf"), "--out", str(tmp_path / "model.ckpt")]) == 0
+    assert convert_main(["export", "--checkpoint", str(tmp_path / "model.ckpt"), "--out", str(tmp_path / "out")]) == 0
     loaded = ChameleonForConditionalGeneration.from_pretrained(tmp_path / "out", local_files_only=True).eval()
     ids = mixed_ids()
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=ids).logits, reference(input_ids=ids).logits)
-    assert convert_main(["export", str(tmp_path / "missing.ckpt"), str(tmp_path / "x")]) == 1
+    from fusion_model import cli  # through the dispatcher: bad input exits 2
+
+    assert cli.main(["convert", "export", "--checkpoint", str(tmp_path / "missing.ckpt"), "--out", str(tmp_path / "x")]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 

@@ -36,7 +36,7 @@ def test_presets_closed_form_count_equals_module_count(name):
     assert model.num_parameters() == config.num_parameters()
 
 
-def test_demo_preset_matches_design_size():
+def test_demo_preset_matches_the_cpu_prototypes_size():
     config = FusionConfig.from_preset("demo")
     assert (config.dim, config.n_layers, config.n_heads) == (128, 4, 4)
     assert 0.8e6 < config.num_parameters(embeddings=False) < 0.95e6
@@ -60,6 +60,19 @@ def test_config_rejects_bad_values_with_names():
     with pytest.raises(ValueError, match="unknown fields"):
         FusionConfig.from_dict({**tiny().to_dict(), "bogus": 1})
     assert FusionConfig.from_dict(tiny().to_dict()) == tiny()
+
+
+def test_from_dict_starts_from_a_named_preset_and_overrides_its_fields():
+    written = {"preset": "small", "dropout": 0.1, "vocab_size": 65536}
+    config = FusionConfig.from_dict(written)
+    assert config == FusionConfig.from_preset("small", dropout=0.1, vocab_size=65536)
+    assert written == {"preset": "small", "dropout": 0.1, "vocab_size": 65536}  # the caller's dict is left alone
+    assert "preset" not in config.to_dict() and FusionConfig.from_dict(config.to_dict()) == config  # fully resolved
+    assert FusionConfig.from_dict({"dim": 128, "n_heads": 4}).n_layers == FusionConfig().n_layers  # no preset: defaults
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        FusionConfig.from_dict({"preset": "huge"})
+    with pytest.raises(ValueError, match=r"unknown fields \['bogus'\]"):
+        FusionConfig.from_dict({"preset": "tiny", "bogus": 1})
 
 
 @pytest.mark.parametrize("placement", ["pre", "swin"])

@@ -12,13 +12,13 @@ from hypothesis import strategies as st
 from PIL import Image
 
 from fusion_model.config import FusionConfig
+from fusion_model.generation import generate
 from fusion_model.model import FusionModel
 from fusion_model.sample_output import write_samples
 from fusion_model.sampling import (
     SamplingConfig,
     apply_repetition_penalty,
     choose_tokens,
-    generate,
     generate_ids,
     image_only_prompt,
     mix_guidance,

@@ -13,6 +13,7 @@ import yaml
 from PIL import Image
 from safetensors.torch import save_file
 
+from fusion_model import cli
 from fusion_model.cli.tokenizer import main
 from tokenizer.image import ImageTokenizer, ImageTokenizerConfig
 from tokenizer.image.lightning import ImageDataModule, ImageTokenizerModule
@@ -37,13 +38,39 @@ def test_cli_fit_logs_metrics_and_grid_then_export_matches_the_bundle(tmp_path):
     assert {"val/psnr", "val/usage", "val/perplexity", "val/recon"} <= logged
     assert list((root / "tb" / "version_0" / "images").glob("*.png"))
     checkpoint = next((root / "tb" / "version_0" / "checkpoints").glob("*.ckpt"))
-    assert main(["export", "--ckpt", str(checkpoint), "--out", str(tmp_path / "exported")]) == 0
+    assert main(["export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "exported")]) == 0
     assert ImageTokenizer.from_pretrained(tmp_path / "exported").fingerprint() == tokenizer.fingerprint()
+    # --checkpoint resumes (through AtomicCheckpointIO, weights_only=True) and trains on to the new max_steps
+    resumed = tmp_path / "resumed"
+    assert main(["fit", "--model.preset", "demo-64", "--data.image_size", "64", "--data.batch_size", "4",
+                 "--data.val_samples", "4", "--trainer.max_steps", "3", "--trainer.limit_val_batches", "0",
+                 "--trainer.enable_progress_bar", "false", "--trainer.accelerator", "cpu",
+                 "--trainer.default_root_dir", str(resumed), "--checkpoint", str(checkpoint)]) == 0
+    assert int(torch.load(next((resumed / "tb").rglob("*.ckpt")), weights_only=True)["global_step"]) == 3
 
 
-def test_export_refuses_a_missing_checkpoint(tmp_path, capsys):
-    assert main(["export", "--ckpt", str(tmp_path / "none.ckpt"), "--out", str(tmp_path / "out")]) == 2
+def test_export_refuses_a_missing_or_foreign_checkpoint(tmp_path, capsys):
+    export = ["tokenizer", "export", "--out", str(tmp_path / "out"), "--checkpoint"]
+    assert cli.main([*export, str(tmp_path / "none.ckpt")]) == 2
     assert "none.ckpt" in capsys.readouterr().err
+    torch.save({"state_dict": {}, "hyper_parameters": {"config": {"d_model": 8}}}, tmp_path / "fusion.ckpt")
+    assert cli.main([*export, str(tmp_path / "fusion.ckpt")]) == 2
+    assert "not an image tokenizer checkpoint" in capsys.readouterr().err
+    torch.save({"state_dict": {}, "callback": ImageTokenizerConfig()}, tmp_path / "pickled.ckpt")
+    assert cli.main([*export, str(tmp_path / "pickled.ckpt")]) == 2  # never unpickled
+    assert "weights_only=True" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_tokenizer_cli_writes_atomic_checkpoints_and_takes_the_shared_checkpoint_flag(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(CONFIGS / "demo-64.yaml"), "--checkpoint", "some.ckpt", "--print_config"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert "fusion_model.training.checkpointing.AtomicCheckpointIO" in printed and "ckpt_path: some.ckpt" in printed
+    with pytest.raises(SystemExit):
+        main(["validate", "--help"])
+    assert "--checkpoint X = --ckpt_path X" in " ".join(capsys.readouterr().out.split())
 
 
 def test_image_folder_skips_and_counts_bad_files(tmp_path):

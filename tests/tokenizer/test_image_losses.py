@@ -24,6 +24,8 @@ def test_reconstruction_losses_and_psnr():
     # an error of 0.2 in [-1, 1] is 0.1 in [0, 1]: MSE 0.01 -> 20 dB
     assert psnr(a, b).item() == pytest.approx(20.0, abs=1e-4)
     assert psnr(torch.full_like(a, 5.0), torch.ones_like(a)).item() == pytest.approx(100.0)  # clamped before PSNR
+    low = psnr(a.bfloat16(), b.bfloat16())  # bf16 images (autocast, the demo) are measured in fp32
+    assert low.dtype == torch.float32 and low.item() == pytest.approx(psnr(a, b.bfloat16().float()).item())
 
 
 def _vgg_file(path, heads: bool):

@@ -1,5 +1,5 @@
-"""The VQGAN's invariants (DESIGN §5): shape, parameter count and equivalence against transformers'
-ChameleonVQVAE, gradient reach through the straight-through estimator, batch independence."""
+"""The VQGAN's invariants, checked before any training: shape, parameter count and equivalence against
+transformers' ChameleonVQVAE, gradient reach through the straight-through estimator, batch independence."""
 
 import pytest
 import torch

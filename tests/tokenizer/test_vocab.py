@@ -17,7 +17,9 @@ from tokenizer.vocab import (
     IMAGE_PLACEHOLDER,
     PAD,
     SEP,
+    Span,
     UnifiedVocab,
+    image_code_of_name,
     image_token_name,
     train_unified_vocab,
 )
@@ -66,6 +68,13 @@ def test_image_tokens_have_chameleon_names(vocab):
     for code in (0, 7, 123, 511):
         assert vocab.id_to_token(vocab.image_id(code)) == image_token_name(code)
         assert vocab.image_id(code) == vocab.image_offset + code
+
+
+def test_image_names_parse_back_to_their_codes_and_nothing_else_does():
+    for code in (0, 9, 10, 123, 8191):
+        assert image_code_of_name(image_token_name(code)) == code
+    for name in ("IMGIMGZ", "IMGIMGBQ", "IMGIMGABZ", "IMGIMGbZ", "IMGIMGKZ", "xIMGIMGBZ", "IMGIMGBZ ", "<s>"):
+        assert image_code_of_name(name) is None, name
 
 
 def test_transformers_chameleon_mapping_finds_our_image_tokens(vocab, tmp_path):
@@ -144,6 +153,27 @@ def test_decode_document_keeps_other_specials_by_name_and_drops_padding(vocab):
     ids = [vocab.bos_id] + vocab.encode_text("Q?") + [vocab.sep_id] + vocab.encode_text("A.") + [vocab.eos_id]
     ids += [vocab.pad_id] * 3
     assert vocab.decode_document(ids) == ["Q?<sep>A."]
+
+
+def test_spans_give_text_runs_and_images_with_their_positions(vocab):
+    ids = vocab.encode_document(["a cat", torch.zeros(1, 2, dtype=torch.long), "sat"], eos=True)
+    n_text, n_tail = len(vocab.encode_text("a cat")), len(vocab.encode_text("sat"))
+    boi = 1 + n_text
+    assert vocab.spans(ids) == [
+        Span("text", 0, boi),
+        Span("image", boi, boi + 4),
+        Span("text", boi + 4, boi + 4 + n_tail + 1),
+    ]
+    assert ids[vocab.spans(ids)[1].body] == [vocab.image_offset] * 2
+    assert vocab.spans([]) == []
+    # an image the sequence ends inside is open; so is one cut short by the next <boi>, which starts an image
+    code, boi_id, eoi_id = vocab.image_offset, vocab.boi_id, vocab.eoi_id
+    cut = vocab.spans([boi_id, code, boi_id, code, code])
+    assert cut == [Span("image", 0, 2, closed=False), Span("image", 2, 5, closed=False)]
+    assert [len(range(5)[s.body]) for s in cut] == [1, 2]
+    # an <eoi> outside an image stays in the text run; an <eoi> right after <boi> closes an empty image
+    assert vocab.spans([vocab.bos_id, eoi_id, boi_id, eoi_id]) == [Span("text", 0, 2), Span("image", 2, 4)]
+    assert range(4)[Span("image", 2, 4).body] == range(3, 3)
 
 
 def test_decode_document_returns_an_unfinished_image_flat(vocab):
@@ -276,6 +306,9 @@ def test_bad_ids_on_decode_name_the_id(vocab):
         vocab.decode_document(vocab.encode_document([torch.zeros(2, 2, dtype=torch.long)]), grid_shape=(2, 3))
     with pytest.raises(ValueError, match="inside an image"):
         vocab.decode_document([vocab.boi_id, vocab.image_offset, vocab.bos_id])
+    nested = [vocab.boi_id, vocab.image_offset, vocab.boi_id, vocab.image_offset, vocab.eoi_id]
+    with pytest.raises(ValueError, match="at position 2 is inside an image"):  # a <boi> inside an open image
+        vocab.decode_document(nested)
     with pytest.raises(ValueError, match="outside <boi>"):
         vocab.decode_document([vocab.image_offset])
 

@@ -99,30 +99,25 @@ class ImageTokenizerConfig:
         return cls.from_dict({"name": name, **data})
 
 
+# MNIST-like digits at 64 px -> 4x4 codes; ~0.84M parameters, trains on a CPU in minutes.
+_DEMO_64: dict[str, Any] = dict(
+    image_size=64,
+    base_channels=16,
+    channel_multiplier=(1, 1, 2, 2, 4),  # 5 levels: 16x downsampling, so 4x4 codes at 64 px
+    num_res_blocks=1,
+    latent_channels=64,
+    norm_groups=8,
+    codebook_size=512,
+    quantizer="improved",
+)
+
+# Each preset names only the fields it changes (from the dataclass defaults, or from the preset it derives
+# from); configs/tokenizer/*.yaml name a preset and add only their overrides.
 PRESETS: dict[str, dict[str, Any]] = {
     # transformers' ChameleonVQVAEConfig defaults: 512 px -> 32x32 codes, codebook 8192 x 256.
     "chameleon": {},
-    # MNIST-like digits at 64 px -> 4x4 codes; ~1M parameters, trains on a CPU in minutes.
-    "demo-64": dict(
-        image_size=64,
-        base_channels=16,
-        channel_multiplier=(1, 1, 2, 2, 4),
-        num_res_blocks=1,
-        latent_channels=64,
-        norm_groups=8,
-        codebook_size=512,
-        quantizer="improved",
-    ),
-    # small photos at 128 px -> 8x8 codes, for CPU training runs on real photos.
-    # (the demo-64 network at 128 px: convolutions do not grow with resolution, compute grows 4x)
-    "small-128": dict(
-        image_size=128,
-        base_channels=16,
-        channel_multiplier=(1, 1, 2, 2, 4),
-        num_res_blocks=1,
-        latent_channels=64,
-        norm_groups=8,
-        codebook_size=1024,
-        quantizer="improved",
-    ),
+    "demo-64": _DEMO_64,
+    # small photos at 128 px -> 8x8 codes, for CPU training runs on real photos: the demo-64 network
+    # (convolutions do not grow with resolution, compute grows 4x) with a codebook twice as large.
+    "small-128": {**_DEMO_64, "image_size": 128, "codebook_size": 1024},
 }

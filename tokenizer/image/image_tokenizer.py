@@ -15,6 +15,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from tokenizer.files import atomic_path, atomic_write_text
 from tokenizer.image.config import ImageTokenizerConfig
 from tokenizer.image.model import Decoder, Encoder
 from tokenizer.image.preprocess import ImageSource, load_batch, to_pil
@@ -158,12 +159,9 @@ class ImageTokenizer(nn.Module):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
-        tmp = directory / (WEIGHTS_NAME + ".tmp")
-        save_file(state, str(tmp), metadata={"format": "pt", "fingerprint": self.fingerprint()})
-        os.replace(tmp, directory / WEIGHTS_NAME)
-        tmp = directory / (CONFIG_NAME + ".tmp")
-        tmp.write_text(self.config.to_json() + "\n")
-        os.replace(tmp, directory / CONFIG_NAME)
+        with atomic_path(directory / WEIGHTS_NAME) as tmp:
+            save_file(state, str(tmp), metadata={"format": "pt", "fingerprint": self.fingerprint()})
+        atomic_write_text(directory / CONFIG_NAME, self.config.to_json() + "\n")
         return directory
 
     @classmethod

@@ -3,7 +3,6 @@ PatchGAN losses; PSNR, codebook usage, perplexity, image grids) and the data mod
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +10,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from tokenizer.files import atomic_path
 from tokenizer.image import data as image_data
 from tokenizer.image.config import ImageTokenizerConfig
 from tokenizer.image.image_tokenizer import ImageTokenizer
@@ -198,12 +198,9 @@ class ImageTokenizerModule(L.LightningModule):
         # without a logger Lightning's log_dir falls back to the working directory: write nothing there
         log_dir = self.trainer.log_dir if self.loggers else None
         if log_dir:
-            folder = Path(log_dir) / "images"
-            folder.mkdir(parents=True, exist_ok=True)
-            target = folder / f"epoch{self.current_epoch:03d}_step{int(self.steps_done):06d}.png"
-            tmp = target.with_suffix(".tmp.png")
-            to_pil(grid).save(tmp)
-            os.replace(tmp, target)
+            target = Path(log_dir) / "images" / f"epoch{self.current_epoch:03d}_step{int(self.steps_done):06d}.png"
+            with atomic_path(target) as tmp:
+                to_pil(grid).save(tmp, format="PNG")  # the temporary name has no .png for PIL to go by
 
 
 class ImageDataModule(L.LightningDataModule):

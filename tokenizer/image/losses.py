@@ -21,8 +21,9 @@ def reconstruction_loss(reconstruction: torch.Tensor, target: torch.Tensor, kind
 
 
 def psnr(reconstruction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Per-image PSNR in dB for images in [-1, 1] (the reconstruction is clamped first)."""
-    mse = ((reconstruction.clamp(-1, 1) - target) ** 2).flatten(1).mean(1) / 4.0  # range 2 -> 1
+    """Per-image PSNR in dB for images in [-1, 1] (the reconstruction is clamped first), computed in fp32."""
+    # bf16 / fp16 inputs (autocast, the demo's decoded images) would round the small errors that PSNR measures
+    mse = ((reconstruction.float().clamp(-1, 1) - target.float()) ** 2).flatten(1).mean(1) / 4.0  # range 2 -> 1
     return -10.0 * torch.log10(mse.clamp_min(1e-10))
 
 

@@ -62,7 +62,8 @@ class Quantizer(nn.Module):
             raise ValueError(
                 f"quantizer expects {self.embed_dim} channels, got latents of shape {tuple(latents.shape)}"
             )
-        # channel-last sequences rather than accept_image_fmap=True (DESIGN §8: that path misbehaved once)
+        # channel-last sequences rather than accept_image_fmap=True: in vector-quantize-pytorch 1.32 that path
+        # returned wrong vectors from get_output_from_indices in one configuration
         flat = rearrange(latents, "b d h w -> b (h w) d")
         quantized, codes, loss = self.vq(flat)
         quantized = rearrange(quantized, "b (h w) d -> b d h w", h=h, w=w)

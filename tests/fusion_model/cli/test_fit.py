@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from fusion_model import cli
 from fusion_model.cli.fit import main
+from fusion_model.config import FusionConfig
 from fusion_model.training.lightning_module import FusionLightningModule
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
@@ -23,25 +25,72 @@ def tokens(tmp_path_factory):
     return fw.make_token_dir(tmp_path_factory.mktemp("tokens") / "train")
 
 
-def test_print_config_shows_presets_and_command_line_overrides(capsys):
+def _printed_config(args: list[str], capsys) -> str:
     with pytest.raises(SystemExit) as exit_info:
-        main(["--config", TINY_YAML, "--model.lr=0.125", "--data.seq_len=48", "--print_config"])
+        main([*args, "--print_config"])
     assert exit_info.value.code == 0
-    printed = capsys.readouterr().out
+    return capsys.readouterr().out
+
+
+def test_print_config_shows_presets_and_command_line_overrides(capsys, tmp_path):
+    printed = _printed_config(["--config", TINY_YAML, "--model.lr=0.125", "--data.seq_len=48",
+                               "--model.config.vocab_size=512", "--model.config.dropout=0.25"], capsys)
     assert "lr: 0.125" in printed and "seq_len: 48" in printed
     assert "lr_schedule: exponential" in printed and "gradient_clip_val: 1.0" in printed
     assert "fusion_model.training.checkpointing.AtomicCheckpointIO" in printed
+    # the decoder as the user wrote it: the preset's name plus the fields changed, each settable on its own
+    assert yaml.safe_load(printed)["model"]["config"] == {"preset": "tiny", "vocab_size": 512, "dropout": 0.25}
+    rerun = tmp_path / "printed.yaml"
+    rerun.write_text(printed)
+    assert _printed_config(["--config", str(rerun)], capsys) == printed  # what it prints runs again as is
+
+
+def test_a_config_field_of_the_wrong_type_or_name_is_refused_when_parsed(capsys):
+    for bad in ("--model.config.vocab_size=many", "--model.config.preset=huge", "--model.config.bogus=1"):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["--config", TINY_YAML, bad, "--print_config"])
+        assert exit_info.value.code != 0, bad
+        assert bad.split("=")[0].removeprefix("--model.config.") in capsys.readouterr().err, bad
+
+
+def test_shared_flags_stand_for_the_lightning_options(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--config", TINY_YAML, "--checkpoint", "runs/x/last.ckpt", "--vocab=runs/vocab/tokenizer.json",
+              "--image-tokenizer", "runs/tok", "--print_config"])
+    assert exit_info.value.code == 0
+    printed = capsys.readouterr().out
+    assert "ckpt_path: runs/x/last.ckpt" in printed
+    assert "vocab: runs/vocab/tokenizer.json" in printed and "image_tokenizer: runs/tok" in printed
 
 
 @pytest.mark.parametrize("preset", ["chameleon-7b", "chameleon-34b", "small"])
 def test_presets_parse_and_carry_the_papers_recipe(preset, capsys):
-    with pytest.raises(SystemExit):
-        main(["--config", str(fw.REPO / f"configs/fusion/{preset}.yaml"), "--print_config"])
-    printed = capsys.readouterr().out
-    assert "z_loss_coef: 1.0e-05" in printed and "weight_decay: 0.1" in printed and "eps: 1.0e-05" in printed
+    printed = _printed_config(["--config", str(fw.REPO / f"configs/fusion/{preset}.yaml")], capsys)
+    assert "weight_decay: 0.1" in printed and "eps: 1.0e-05" in printed
+    decoder = FusionConfig.from_dict(yaml.safe_load(printed)["model"]["config"])
+    assert decoder.z_loss_coef == 1e-5
     if preset.startswith("chameleon"):
-        assert "seq_len: 4096" in printed and "warmup_steps: 4000" in printed and "vocab_size: 65536" in printed
+        assert "seq_len: 4096" in printed and "warmup_steps: 4000" in printed and decoder.vocab_size == 65536
         assert "fusion_model.training.checkpointing.AtomicModelParallelStrategy" in printed  # sharded saves renamed into place
+
+
+ARCHITECTURE = ("dim", "n_layers", "n_heads", "kv_heads", "hidden_dim", "vocab_size", "max_seq_len", "norm_placement",
+                "qk_norm", "z_loss_coef", "rope_theta", "norm_eps")
+
+
+@pytest.mark.parametrize("path", sorted((fw.REPO / "configs/fusion").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_fusion_config_is_its_python_preset_plus_recipe_overrides_only(path, capsys):
+    written = yaml.safe_load(_printed_config(["--config", str(path)], capsys))["model"]["config"]
+    assert written["preset"] == path.stem  # configs/fusion/<name>.yaml trains the decoder PRESETS[<name>]
+    decoder, preset = FusionConfig.from_dict(written), FusionConfig.from_preset(path.stem)
+    assert {k: getattr(decoder, k) for k in ARCHITECTURE} == {k: getattr(preset, k) for k in ARCHITECTURE}
+    assert decoder.num_parameters() == preset.num_parameters()
+    overrides = {k: v for k, v in written.items() if k != "preset"}
+    assert not set(overrides) & {*ARCHITECTURE, "n_kv_heads", "ffn_dim"}, "the architecture is the preset's alone"
+    restated = {k for k, v in overrides.items() if getattr(preset, k) == v}
+    assert not restated, f"{path.name} restates the preset's {sorted(restated)}"
+    if path.stem == "chameleon-7b":
+        assert decoder.num_parameters() == 7_013_666_816  # transformers' ChameleonModel, language model only
 
 
 def _fit_error(args, capsys) -> str:

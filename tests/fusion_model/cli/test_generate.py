@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
+import typing
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from fusion_model import cli
 from fusion_model.checkpoint import save_model
-from fusion_model.cli.generate import main, parser
+from fusion_model.cli.generate import add_sampling_options, main, parser, sampling_config
 from fusion_model.config import FusionConfig
 from fusion_model.model import FusionModel
+from fusion_model.sampling import SamplingConfig
 from tokenizer.image import ImageTokenizer, ImageTokenizerConfig
 from tokenizer.vocab import train_unified_vocab
 
@@ -39,6 +44,45 @@ def files(tmp_path_factory):
 def test_help_explains_every_option():
     for action in parser()._actions:
         assert action.help, f"option {action.option_strings} has no help"
+
+
+def test_sampling_options_are_the_fields_of_sampling_config_with_their_types():
+    actions = {a.dest: a for a in parser()._actions}
+    hints = typing.get_type_hints(SamplingConfig)
+    for field in dataclasses.fields(SamplingConfig):
+        if field.name == "image_grid":  # taken from the image tokenizer
+            assert field.name not in actions
+            continue
+        action = actions[field.name]
+        if hints[field.name] is bool:
+            assert action.const is (not field.default)
+        else:
+            assert action.type in typing.get_args(hints[field.name]) + (hints[field.name],), field.name
+    assert actions["text_temperature"].option_strings == ["--text-temperature"]
+    assert actions["stop_at_eos"].option_strings == ["--no-eos-stop"]
+
+
+def test_a_new_sampling_field_gets_an_option_without_a_new_argparse_line():
+    @dataclasses.dataclass
+    class Extended(SamplingConfig):
+        min_p: float = 0.0
+        greedy_images: bool = False
+
+    p = argparse.ArgumentParser()
+    assert {"min_p", "greedy_images"} <= set(add_sampling_options(p, Extended))
+    args = p.parse_args(["--min-p", "0.25", "--greedy-images"])
+    assert (args.min_p, args.greedy_images, args.text_top_k) == (0.25, True, None)
+
+
+def test_explicit_options_override_chameleon_defaults():
+    def config(*extra):
+        return sampling_config(parser().parse_args(["--checkpoint", "x.ckpt", *extra]))
+
+    assert config() == SamplingConfig(seed=0)
+    chameleon = config("--chameleon-defaults", "--text-temperature", "0.5", "--no-kv-cache")
+    assert chameleon == SamplingConfig.chameleon(text_temperature=0.5, seed=0, use_kv_cache=False)
+    two_stream = config("--chameleon-defaults", "--cfg-scale", "2")
+    assert (two_stream.cfg_scale, two_stream.three_stream, two_stream.image_top_p) == (2.0, False, 0.9)
 
 
 def test_generate_writes_images_json_and_html_from_a_checkpoint(files, tmp_path, capsys):
@@ -80,17 +124,20 @@ def test_bad_input_is_reported_with_what_to_do(files, tmp_path, capsys):
     common = ["--checkpoint", str(files / "model.ckpt"), "--out", str(tmp_path / "x")]
     other = train_unified_vocab(CORPUS, vocab_size=384, image_codes=16, num_specials=16)
     other.save(tmp_path / "other.json")
-    assert main(common + ["--vocab", str(tmp_path / "other.json"), "--mode", "text"]) == 1
+    common = ["generate", *common]
+    assert cli.main(common + ["--vocab", str(tmp_path / "other.json"), "--mode", "text"]) == 2
     assert "vocab_size 320 but the vocabulary has 384" in capsys.readouterr().err
-    assert main(common + ["--vocab", str(files / "tokenizer.json"), "--image-tokenizer", str(files / "vq"),
-                          "--image", str(tmp_path / "missing.png")]) == 1
+    assert cli.main(common + ["--vocab", str(files / "tokenizer.json"), "--image-tokenizer", str(files / "vq"),
+                              "--image", str(tmp_path / "missing.png")]) == 2
     assert "missing.png" in capsys.readouterr().err
-    assert main(common + ["--mode", "text"]) == 1
+    assert cli.main(common + ["--mode", "text"]) == 2
     assert "--vocab is required" in capsys.readouterr().err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"txt": 1}\n')
-    assert main(common + ["--vocab", str(files / "tokenizer.json"), "--prompts-file", str(bad)]) == 1
+    assert cli.main(common + ["--vocab", str(files / "tokenizer.json"), "--prompts-file", str(bad)]) == 2
     assert "bad.jsonl:1" in capsys.readouterr().err
+    assert cli.main(common + ["--text-top-p", "1.5"]) == 2  # SamplingConfig's own check, before any loading
+    assert "text_top_p=1.5 must be in (0, 1]" in capsys.readouterr().err
 
 
 def test_a_transformers_export_loads_with_its_bundled_tokenizer_and_samples_the_same(files, tmp_path):

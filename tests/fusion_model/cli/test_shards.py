@@ -35,7 +35,7 @@ def test_write_tokenize_inspect(tmp_path, capsys):
     (tmp_path / "book.txt").write_text("a gray square and some words")
 
     raw = tmp_path / "raw"
-    assert cli.main(["shards", "write", str(raw), "--image-folder", str(folder), "--text",
+    assert cli.main(["shards", "write", "--out", str(raw), "--image-folder", str(folder), "--text",
                        str(tmp_path / "book.txt"), "--shard-max-docs", "2"]) == 0
     assert "wrote 4 documents (3 images) in 2 shards" in capsys.readouterr().out
     assert json.loads((raw / "manifest.json").read_text())["skipped"][0]["key"] == "bad"
@@ -47,7 +47,7 @@ def test_write_tokenize_inspect(tmp_path, capsys):
                                   num_res_blocks=1, latent_channels=8, norm_groups=4, codebook_size=64)
     ImageTokenizer(config).save_pretrained(tmp_path / "vq")
     tokens = tmp_path / "tokens"
-    assert cli.main(["shards", "tokenize", str(raw), str(tokens), "--vocab", str(vocab_path),
+    assert cli.main(["shards", "tokenize", str(raw), "--out", str(tokens), "--vocab", str(vocab_path),
                        "--image-tokenizer", str(tmp_path / "vq"), "--no-progress"]) == 0
     manifest = read_manifest(tokens)
     assert (manifest["documents"], manifest["images"], manifest["grid_shape"]) == (4, 3, [4, 4])
@@ -61,17 +61,35 @@ def test_write_tokenize_inspect(tmp_path, capsys):
 
 
 def test_write_without_sources_is_a_usage_error(tmp_path, capsys):
-    assert cli.main(["shards", "write", str(tmp_path / "raw")]) == 2
-    assert "give at least one source" in capsys.readouterr().err
+    assert cli.main(["shards", "write", "--out", str(tmp_path / "raw")]) == 2
+    assert "at least one source" in capsys.readouterr().err
 
 
 def test_strict_write_stops_at_a_bad_image(tmp_path, capsys):
     (tmp_path / "bad.png").write_bytes(b"nope")
     (tmp_path / "bad.txt").write_text("bad")
-    assert cli.main(["shards", "write", str(tmp_path / "raw"), "--image-folder", str(tmp_path), "--strict"]) == 1
+    assert cli.main(["shards", "write", "--out", str(tmp_path / "raw"), "--image-folder", str(tmp_path), "--strict"]) == 2
     assert "sample 'bad' rejected" in capsys.readouterr().err
 
 
 def test_tokenize_of_a_missing_directory_says_what_to_run(tmp_path, capsys):
-    code = cli.main(["shards", "tokenize", str(tmp_path / "nope"), str(tmp_path / "out"), "--vocab", "x.json"])
-    assert code == 1 and "run `shards write`" in capsys.readouterr().err
+    code = cli.main(["shards", "tokenize", str(tmp_path / "nope"), "--out", str(tmp_path / "out"), "--vocab", "x.json"])
+    assert code == 2 and "run `shards write`" in capsys.readouterr().err
+
+
+def test_jsonl_text_key_and_a_second_write_into_the_same_directory(tmp_path, capsys):
+    (tmp_path / "docs.jsonl").write_text('{"body": "first words"}\n{"body": "more words"}\n')
+    write = ["shards", "write", "--out", str(tmp_path / "raw"), "--text", str(tmp_path / "docs.jsonl"),
+             "--text-key", "body"]
+    assert cli.main(write) == 0
+    assert "wrote 2 documents" in capsys.readouterr().out
+    assert cli.main(write) == 2  # FileExistsError is bad input too: one line, exit 2
+    assert "already holds raw shards" in capsys.readouterr().err
+
+
+def test_inspect_of_a_directory_without_a_manifest_or_with_a_broken_one(tmp_path, capsys):
+    assert cli.main(["shards", "inspect", str(tmp_path)]) == 2
+    assert "manifest.json not found" in capsys.readouterr().err
+    (tmp_path / "manifest.json").write_text("{not json")
+    assert cli.main(["shards", "inspect", str(tmp_path)]) == 2
+    assert "train.py shards:" in capsys.readouterr().err

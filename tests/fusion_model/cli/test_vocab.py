@@ -75,7 +75,7 @@ def test_max_mb_limits_the_builtin_corpus(tmp_path, capsys):
 )
 def test_errors_exit_2_with_a_message_and_write_nothing(tmp_path, capsys, args, message):
     out = tmp_path / "tokenizer.json"
-    assert main([*args, "--out", str(out), "--no-progress"]) == 2
+    assert cli.main(["vocab", *args, "--out", str(out), "--no-progress"]) == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
 
@@ -83,6 +83,6 @@ def test_errors_exit_2_with_a_message_and_write_nothing(tmp_path, capsys, args, 
 def test_only_unreadable_files_is_an_empty_corpus_that_counts_them(tmp_path, capsys):
     (tmp_path / "utf16.txt").write_text("not utf-8", encoding="utf-16")
     args = ["--corpus", str(tmp_path), "--skip-bad-files", "--out", str(tmp_path / "t.json"), "--no-progress"]
-    assert main(args) == 2
+    assert cli.main(["vocab", *args]) == 2
     error = capsys.readouterr().err
     assert "corpus is empty" in error and "1 non-UTF-8 file(s) were skipped" in error

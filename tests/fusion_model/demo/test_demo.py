@@ -6,12 +6,15 @@ import base64
 import io
 import json
 import re
+import shlex
+from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from fusion_model.demo import pipeline
+from fusion_model.demo import bookkeeping, pipeline
 from fusion_model.demo.datasets import (
     arithmetic_pairs,
     caption,
@@ -21,6 +24,7 @@ from fusion_model.demo.datasets import (
     pick_by_label,
     worded_sum,
 )
+from fusion_model.demo.settings import FIT_CONFIG, load_config
 
 CHANCE = 0.10  # ten digits
 
@@ -29,8 +33,7 @@ CHANCE = 0.10  # ten digits
 def demo(tmp_path_factory):
     """Run every stage once at the smoke size; the tests below read what it left behind."""
     out = tmp_path_factory.mktemp("demo")
-    config = pipeline.load_config("smoke")
-    config["out_dir"] = str(out)
+    config = replace(load_config("smoke"), out_dir=str(out))
     records = pipeline.run(config, progress=False, log=lambda message: None)
     return config, out, records
 
@@ -78,52 +81,62 @@ def test_losses_fall_and_are_recorded_per_modality(demo):
         assert losses[name][-1] < losses[name][0], name
 
 
+def test_train_stage_records_the_equivalent_fit_command(demo):
+    from fusion_model.checkpoint import load_model
+    from fusion_model.cli.fit import fit_from_config
+
+    _, out, records = demo
+    argv = shlex.split(records["train"]["command"])
+    assert argv[:5] == ["python", "train.py", "fit", "--config", records["train"]["fit_config"]]
+    cli = fit_from_config(None, argv[3:], run=False)
+    assert cli.model.model_config == load_model(out / "train" / "model.ckpt").config
+
+
 def test_rerun_reuses_every_finished_stage(demo):
     config, out, records = demo
     messages: list[str] = []
     again = pipeline.run(config, progress=False, log=messages.append)
-    assert all("reusing" in m for m in messages) and len(messages) == len(pipeline.STAGES)
+    assert all("reusing" in m for m in messages) and len(messages) == len(bookkeeping.STAGES)
     assert again["generate"]["generation_accuracy"] == records["generate"]["generation_accuracy"]
 
 
 def test_changed_setting_reruns_that_stage_and_those_after_it():
-    config = pipeline.load_config("smoke")
-    changed = json.loads(json.dumps(config))
-    changed["generate"]["cfg_scale"] = 1.0
-    keys = {stage: pipeline.stage_key(config, stage) for stage in pipeline.STAGES}
-    new_keys = {stage: pipeline.stage_key(changed, stage) for stage in pipeline.STAGES}
-    assert [s for s in pipeline.STAGES if keys[s] != new_keys[s]] == ["generate", "report"]
+    config = load_config("smoke")
+    changed = replace(config, generate=replace(config.generate, cfg_scale=1.0))
+    keys = {stage: bookkeeping.stage_key(config, stage) for stage in bookkeeping.STAGES}
+    new_keys = {stage: bookkeeping.stage_key(changed, stage) for stage in bookkeeping.STAGES}
+    assert [s for s in bookkeeping.STAGES if keys[s] != new_keys[s]] == ["generate", "report"]
 
 
 def test_a_rerun_upstream_stage_makes_every_later_stage_stale(tmp_path):
-    config = pipeline.load_config("smoke")
-    for stage in pipeline.STAGES:  # markers as a finished run leaves them
-        inputs = {up: f"run-{up}" for up in pipeline.UPSTREAM[stage]}
-        pipeline.write_json(tmp_path / stage / "stage.json", {
-            "key": pipeline.stage_key(config, stage), "run_id": f"run-{stage}", "inputs": inputs, "seconds": 1.0})
-    assert all(pipeline.is_fresh(tmp_path, config, stage) for stage in pipeline.STAGES)
-    marker = pipeline.read_marker(tmp_path, "shards")
-    pipeline.write_json(tmp_path / "shards" / "stage.json", {**marker, "run_id": "run-shards-again"})  # --force shards
-    stale = [stage for stage in pipeline.STAGES if not pipeline.is_fresh(tmp_path, config, stage)]
+    config = load_config("smoke")
+    for stage in bookkeeping.STAGES:  # markers as a finished run leaves them
+        inputs = {up: f"run-{up}" for up in bookkeeping.UPSTREAM[stage]}
+        bookkeeping.write_marker(tmp_path, stage, {
+            "key": bookkeeping.stage_key(config, stage), "run_id": f"run-{stage}", "inputs": inputs,
+            "seconds": 1.0})
+    assert all(bookkeeping.is_fresh(tmp_path, config, stage) for stage in bookkeeping.STAGES)
+    marker = bookkeeping.read_marker(tmp_path, "shards")
+    bookkeeping.write_marker(tmp_path, "shards", {**marker, "run_id": "run-shards-again"})  # --force shards
+    stale = [stage for stage in bookkeeping.STAGES if not bookkeeping.is_fresh(tmp_path, config, stage)]
     assert stale == ["train", "generate", "report"]
 
 
 def test_partial_outputs_survive_only_under_the_same_configuration(tmp_path):
     folder = tmp_path / "train"
-    pipeline.prepare_folder(folder, "key-a")
+    bookkeeping.prepare_folder(folder, "key-a")
     (folder / "last.ckpt").write_text("partial")
-    pipeline.prepare_folder(folder, "key-a")
+    bookkeeping.prepare_folder(folder, "key-a")
     assert (folder / "last.ckpt").exists()  # an interrupted stage resumes from what it left
-    pipeline.prepare_folder(folder, "key-b")
+    bookkeeping.prepare_folder(folder, "key-b")
     assert not (folder / "last.ckpt").exists()  # another configuration starts over
     (folder / "last.ckpt").write_text("partial")
-    pipeline.prepare_folder(folder, "key-b", fresh=True)  # --force
+    bookkeeping.prepare_folder(folder, "key-b", fresh=True)  # --force
     assert not (folder / "last.ckpt").exists()
 
 
 def test_a_stage_alone_needs_its_upstream_stages(tmp_path):
-    config = pipeline.load_config("smoke")
-    config["out_dir"] = str(tmp_path)
+    config = replace(load_config("smoke"), out_dir=str(tmp_path))
     with pytest.raises(RuntimeError, match="needs stage 'tokenizer'"):
         pipeline.run(config, stages=["shards"], progress=False, log=lambda message: None)
 
@@ -131,6 +144,49 @@ def test_a_stage_alone_needs_its_upstream_stages(tmp_path):
 def test_cli_rejects_unknown_override_with_a_clear_message(capsys):
     assert pipeline.main(["--preset", "smoke", "--set", "train.no_such_key=1"]) == 2
     assert "unknown key 'no_such_key'" in capsys.readouterr().err
+
+
+def test_overrides_are_typed_by_the_config_dataclasses(tmp_path, capsys):
+    config = load_config("smoke", overrides=["train.lr=0.01", "data.train_limit=null",
+                                             "tokenizer.overrides={base_channels: 16}"])
+    assert config.train.lr == 0.01 and config.data.train_limit is None
+    assert config.tokenizer.overrides == {"base_channels": 16}
+    assert pipeline.main(["--preset", "smoke", "--set", "train.max_steps=many"]) == 2
+    assert '"train.max_steps"' in capsys.readouterr().err
+    assert pipeline.main(["--preset", "smoke", "--set", "nosection.key=1"]) == 2
+    assert "no config section 'nosection'" in capsys.readouterr().err
+    typo = tmp_path / "typo.yaml"
+    smoke = FIT_CONFIG.parents[1] / "demo" / "smoke.yaml"
+    typo.write_text(smoke.read_text().replace("held_out:", "hold_out:"))
+    assert pipeline.main(["--config", str(typo)]) == 2
+    assert "hold_out" in capsys.readouterr().err
+
+
+def test_train_stage_composes_the_fit_config_with_the_demo_overrides(tmp_path):
+    from fusion_model.cli.fit import fit_from_config
+    from fusion_model.config import FusionConfig
+    from fusion_model.demo.recorder import LossRecorder
+    from fusion_model.demo.stages import fit_overrides
+    from fusion_model.training.callbacks import TimeBudget
+
+    vocab = SimpleNamespace(vocab_size=1000, image_offset=16, image_codes=512)
+    overrides = fit_overrides(load_config("smoke"), tmp_path, vocab, progress=False)
+    cli = fit_from_config(FIT_CONFIG, overrides, run=False)
+    # the demo preset with the vocabulary's sizes and the smoke section's dropout, lr and warmup
+    assert cli.model.model_config == FusionConfig.from_preset("demo", vocab_size=1000, image_offset=16,
+                                                              image_codes=512, dropout=0.0)
+    hparams = cli.model.hparams
+    assert (hparams.lr, hparams.warmup_steps, hparams.weight_decay) == (3e-3, 20, 0.1)
+    assert hparams.lr_schedule == "cosine"
+    data = cli.datamodule
+    assert (data.seq_len, data.batch_size, data.train_dir) == (256, 8, str(tmp_path / "shards" / "tokens"))
+    assert data.vocab == str(tmp_path / "vocab" / "tokenizer.json")
+    trainer = cli.trainer
+    assert trainer.log_every_n_steps == 5 and trainer.max_steps == 1_000_000
+    assert trainer.default_root_dir == str(tmp_path / "train")
+    assert [c.seconds for c in trainer.callbacks if isinstance(c, TimeBudget)] == [75.0]  # max_minutes 1.25
+    recorders = [c.path for c in trainer.callbacks if isinstance(c, LossRecorder)]
+    assert recorders == [tmp_path / "train" / "losses.json"]
 
 
 def test_held_out_split_is_disjoint_and_shuffled():
@@ -161,12 +217,12 @@ def test_arithmetic_documents_word_the_sum_before_the_answer_image():
 
 
 def test_answer_image_is_read_after_the_generated_text():
-    from types import SimpleNamespace
-
     from fusion_model.demo.evaluate import _image_codes, _text_before_image
+    from tokenizer.vocab import UnifiedVocab
 
     vocab = SimpleNamespace(boi_id=8, eoi_id=9, eos_id=2, image_offset=16, image_codes=4,
-                            decode_text=lambda ids: " ".join(map(str, ids)))
+                            decode_text=lambda ids: " ".join(map(str, ids)), _as_list=UnifiedVocab._as_list)
+    vocab.spans = lambda ids: UnifiedVocab.spans(vocab, ids)  # the vocabulary's one document parser
     rows = [[100, 101, 8, 16, 17, 18, 19, 9, 2],  # text, then a whole image
             [8, 19, 18, 17, 16, 9],  # an image straight away
             [100, 8, 16, 17, 9],  # the image stops early

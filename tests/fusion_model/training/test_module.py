@@ -57,6 +57,16 @@ def test_hyperparameters_are_plain_values_and_rebuild_the_module():
         FusionLightningModule(FusionConfig(**fw.TINY), nonfinite="ignore")
 
 
+def test_config_by_preset_name_plus_overrides_stores_the_resolved_dict(tmp_path):
+    module = FusionLightningModule({"preset": "tiny", "dropout": 0.1, "max_seq_len": 64})
+    expected = FusionConfig.from_preset("tiny", dropout=0.1, max_seq_len=64)
+    assert module.model_config == expected and module.hparams["config"] == expected.to_dict()
+    torch.save({"hyper_parameters": dict(module.hparams)}, tmp_path / "hparams.pt")
+    stored = torch.load(tmp_path / "hparams.pt", weights_only=True)["hyper_parameters"]
+    assert stored["config"] == expected.to_dict()  # every field, so a later change to a preset cannot alter it
+    assert FusionLightningModule(**stored).model_config == expected
+
+
 def test_precision_defaults_to_fp32_on_cpu_and_the_schedule_needs_a_horizon(tmp_path):
     from fusion_model.cli.fit import fit_from_config
 

@@ -1,0 +1,154 @@
+"""tokenizer.files: atomic writes keep the old file on failure and leave no temporary files; checkpoint loading
+refuses pickled objects, URLs and missing files."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+import torch
+
+from tokenizer.files import (
+    atomic_open,
+    atomic_path,
+    atomic_torch_save,
+    atomic_write_bytes,
+    atomic_write_json,
+    atomic_write_text,
+    load_checkpoint_file,
+    replace_directory,
+)
+
+
+class Boom(RuntimeError):
+    """Raised inside a write block to stand for a crash mid-write."""
+
+
+def _names(directory) -> list[str]:
+    return sorted(p.name for p in directory.iterdir())
+
+
+def test_atomic_path_writes_the_file_on_success(tmp_path):
+    target = tmp_path / "sub" / "weights.bin"  # the parent is created
+    with atomic_path(target) as tmp:
+        assert tmp != target and tmp.parent == target.parent
+        tmp.write_bytes(b"new")
+        assert not target.exists(), "nothing is visible before the block ends"
+    assert target.read_bytes() == b"new"
+    assert _names(target.parent) == ["weights.bin"]
+
+
+def test_atomic_path_keeps_the_old_file_when_the_block_raises(tmp_path):
+    target = tmp_path / "weights.bin"
+    target.write_bytes(b"old")
+    with pytest.raises(Boom), atomic_path(target) as tmp:
+        tmp.write_bytes(b"half")
+        raise Boom
+    assert target.read_bytes() == b"old"
+    assert _names(tmp_path) == ["weights.bin"]
+
+
+def test_atomic_open_streams_and_rolls_back(tmp_path):
+    target = tmp_path / "ids.npy"
+    with atomic_open(target, "wb") as handle:
+        np.save(handle, np.arange(5), allow_pickle=False)
+    np.testing.assert_array_equal(np.load(target, allow_pickle=False), np.arange(5))
+    with pytest.raises(Boom), atomic_open(target, "wb") as handle:
+        np.save(handle, np.arange(99), allow_pickle=False)
+        raise Boom
+    np.testing.assert_array_equal(np.load(target, allow_pickle=False), np.arange(5))
+    assert _names(tmp_path) == ["ids.npy"]
+
+
+def test_atomic_open_text_mode_passes_its_arguments(tmp_path):
+    target = tmp_path / "note.txt"
+    with atomic_open(target, "w", encoding="utf-8") as handle:
+        handle.write("grüße")
+    assert target.read_text(encoding="utf-8") == "grüße"
+
+
+@pytest.mark.parametrize("mode", ["r", "rb", "a", "ab", "r+", "x"])
+def test_atomic_open_refuses_modes_that_do_not_write_a_whole_file(tmp_path, mode):
+    target = tmp_path / "file"
+    target.write_bytes(b"old")
+    with pytest.raises(ValueError, match="must start with 'w'"), atomic_open(target, mode):
+        pass
+    assert target.read_bytes() == b"old"
+    assert _names(tmp_path) == ["file"]
+
+
+def test_write_helpers_write_their_content(tmp_path):
+    assert atomic_write_bytes(tmp_path / "a.bin", b"\x00\x01") == tmp_path / "a.bin"
+    assert (tmp_path / "a.bin").read_bytes() == b"\x00\x01"
+    atomic_write_text(tmp_path / "b.txt", "line\n")
+    assert (tmp_path / "b.txt").read_bytes() == b"line\n"
+    atomic_write_json(tmp_path / "c.json", {"n": 1, "path": tmp_path})  # str() for what JSON cannot hold
+    assert json.loads((tmp_path / "c.json").read_text()) == {"n": 1, "path": str(tmp_path)}
+    assert (tmp_path / "c.json").read_text().endswith("}\n")
+    assert _names(tmp_path) == ["a.bin", "b.txt", "c.json"]
+
+
+def test_atomic_write_json_keeps_the_old_file_when_the_object_cannot_be_written(tmp_path):
+    target = tmp_path / "manifest.json"
+    atomic_write_json(target, {"ok": True})
+    circular: list = []
+    circular.append(circular)
+    with pytest.raises(ValueError, match="Circular"):
+        atomic_write_json(target, circular)
+    assert json.loads(target.read_text()) == {"ok": True}
+    assert _names(tmp_path) == ["manifest.json"]
+
+
+def test_atomic_torch_save_round_trips_through_load_checkpoint_file(tmp_path):
+    target = tmp_path / "model.ckpt"
+    atomic_torch_save({"step": 3, "weight": torch.arange(4.0)}, target)
+    loaded = load_checkpoint_file(target)
+    assert loaded["step"] == 3 and torch.equal(loaded["weight"], torch.arange(4.0))
+    assert _names(tmp_path) == ["model.ckpt"]
+
+
+def test_replace_directory_swaps_in_the_new_one(tmp_path):
+    old, new = tmp_path / "bundle", tmp_path / "bundle.new"
+    old.mkdir()
+    (old / "stale.txt").write_text("old")
+    new.mkdir()
+    (new / "fresh.txt").write_text("new")
+    replace_directory(new, old)
+    assert _names(old) == ["fresh.txt"]
+    assert _names(tmp_path) == ["bundle"]
+
+
+class Payload:
+    """A class a pickle can only rebuild by running code: weights_only loading must refuse it."""
+
+    def __init__(self) -> None:
+        self.value = 1
+
+
+def test_load_checkpoint_file_refuses_a_pickled_object(tmp_path):
+    target = tmp_path / "evil.ckpt"
+    torch.save({"state": OrderedDict(), "payload": Payload()}, target)
+    with pytest.raises(ValueError, match="evil.ckpt.*weights_only=True"):
+        load_checkpoint_file(target)
+    plain = tmp_path / "plain.pkl"
+    plain.write_bytes(pickle.dumps(Payload(), protocol=2))
+    with pytest.raises(ValueError, match="plain.pkl"):
+        load_checkpoint_file(plain)
+
+
+@pytest.mark.parametrize("url", ["https://example.com/model.ckpt", "s3://bucket/model.ckpt"])
+def test_load_checkpoint_file_refuses_a_url(url):
+    with pytest.raises(ValueError, match="is a URL"):
+        load_checkpoint_file(url)
+
+
+def test_load_checkpoint_file_names_a_missing_file(tmp_path):
+    missing = tmp_path / "nope.ckpt"
+    with pytest.raises(FileNotFoundError, match="nope.ckpt does not exist"):
+        load_checkpoint_file(missing)
+    (tmp_path / "folder.ckpt").mkdir()
+    with pytest.raises(FileNotFoundError, match="folder.ckpt"):
+        load_checkpoint_file(tmp_path / "folder.ckpt")
