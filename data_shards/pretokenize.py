@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
-import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -147,9 +146,10 @@ def pretokenize(
             metas[meta["name"]] = meta
             bar.update()
     else:
-        # fork starts in milliseconds (spawn re-imports torch per process, ~10 s here); the child sets one
-        # intra-op thread first, as DataLoader workers do. Elsewhere (macOS, Windows) spawn is the safe default.
-        method = "fork" if "fork" in multiprocessing.get_all_start_methods() and sys.platform == "linux" else "spawn"
+        # never fork: torch has started its OpenMP threads by now, and a forked child can deadlock in its first
+        # matmul. forkserver forks each worker from a clean server process (torch imported once there);
+        # spawn where there is no forkserver (macOS, Windows). Each worker then uses one intra-op thread.
+        method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
         context = multiprocessing.get_context(method)
         with ProcessPoolExecutor(num_workers, mp_context=context, initializer=_init_worker,
                                  initargs=(vocab, image_tokenizer)) as pool:
