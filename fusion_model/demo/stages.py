@@ -28,7 +28,7 @@ from fusion_model.demo.datasets import (
 )
 from fusion_model.demo.report import to_uint8
 from fusion_model.demo.settings import FIT_CONFIG, DemoConfig, shown_path
-from tokenizer.files import atomic_torch_save
+from tokenizer.files import atomic_torch_save, load_checkpoint_file
 
 
 def digits_for(config: DemoConfig):
@@ -308,7 +308,7 @@ def run_report(config: DemoConfig, out_dir: Path, progress: bool = True) -> dict
     size, shown = config.data.image_size, config.generate.samples_shown
     image_tokenizer = load_image_tokenizer(out_dir)
     test_images = to_model_images(digits.test_images, size)
-    samples = torch.load(out_dir / "generate" / "samples.pt", map_location="cpu", weights_only=True)
+    samples = load_checkpoint_file(out_dir / "generate" / "samples.pt")
     losses = json.loads((out_dir / "train" / "losses.json").read_text())
     with torch.no_grad():
         originals = test_images[:12]

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenizer.files import load_checkpoint_file
+
 
 def reconstruction_loss(reconstruction: torch.Tensor, target: torch.Tensor, kind: str = "l1") -> torch.Tensor:
     """Mean absolute ("l1") or squared ("l2") pixel error."""
@@ -112,7 +114,7 @@ def _load_state(path: Path) -> dict[str, torch.Tensor]:
         from safetensors.torch import load_file
 
         return load_file(str(path))
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = load_checkpoint_file(path)
     if not isinstance(state, dict):
         raise ValueError(f"{path}: expected a state dict of tensors, got {type(state).__name__}")
     return state
