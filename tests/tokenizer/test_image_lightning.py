@@ -3,6 +3,7 @@ checkpoint and a bundle; `export` turns the checkpoint into the same bundle; the
 
 import csv
 import io
+import tarfile
 from pathlib import Path
 
 import lightning as L
@@ -147,3 +148,30 @@ def test_raw_shards_give_every_image_of_every_document_and_skip_bad_ones(tmp_pat
     assert train.shape == (2, 3, 16, 16)
     torch.testing.assert_close(val[:, 0, 0, 0], torch.tensor([10, 200]) / 127.5 - 1)  # center crops, in order
     assert any("doc1.0.jpg" in name for name in data.skipped())
+
+
+def test_a_data_source_that_is_a_shell_command_or_url_is_refused_and_never_run(tmp_path, capsys, monkeypatch):
+    marker = tmp_path / "marker"
+    common = ["tokenizer", "fit", "--model.preset", "demo-64", "--data.image_size", "64", "--trainer.max_steps", "1",
+              "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(tmp_path / "run")]
+    for source in (f"pipe:touch {marker}", f"pipe:touch {marker}; cat x.tar", "http://127.0.0.1:9/shard.tar"):
+        assert cli.main([*common, "--data.source", source]) == 2
+        err = capsys.readouterr().err
+        assert "is a command or URL, not a path" in err and "never run" in err
+    # a local file whose name looks like a command is opened as a file, never executed
+    monkeypatch.chdir(tmp_path)  # where a command run by the shell would leave its marker
+    (tmp_path / "shards").mkdir()
+    tarfile.open(tmp_path / "shards" / f"pipe:touch {marker.name}.tar", "w").close()  # a valid, empty tar
+    data = ImageDataModule(source=str(tmp_path / "shards" / "*.tar"), image_size=16, batch_size=2)
+    data.setup("fit")
+    assert data.train_set.urls[0].startswith("/")
+    list(data.train_set)  # an empty tar: no images, and no command
+    assert not marker.exists() and not list(tmp_path.glob("marker*"))
+
+
+def test_a_checkpoint_url_is_refused_before_anything_is_fetched(tmp_path, capsys):
+    code = cli.main(["tokenizer", "fit", "--model.preset", "demo-64", "--data.image_size", "64",
+                     "--trainer.max_steps", "1", "--trainer.accelerator", "cpu", "--trainer.default_root_dir",
+                     str(tmp_path / "run"), "--checkpoint", "http://127.0.0.1:9/evil.ckpt"])
+    assert code == 2
+    assert "is a URL" in capsys.readouterr().err

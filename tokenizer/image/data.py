@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -127,6 +128,26 @@ class ImageFiles(Dataset):
         )
 
 
+# "pipe:cmd" runs cmd in a shell and "http://..." downloads, in webdataset's opener: a path from a config must
+# never do either. A one-letter scheme is a Windows drive ("C:/data"), not a URL.
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+:")
+
+
+def local_shard_files(pattern: str) -> list[str]:
+    """The local tar files a shard path or glob pattern names, as absolute paths; refuses commands and URLs."""
+    if _SCHEME.match(pattern):
+        raise ValueError(
+            f"data source {pattern!r} is a command or URL, not a path: give local shard files (a path or a glob "
+            "such as data/shards/*.tar); shell commands and downloads are never run"
+        )
+    files = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
+    # absolute paths, so that a file named like "pipe:..." is still opened as a file
+    files = [str(Path(f).resolve()) for f in files if Path(f).is_file()]
+    if not files:
+        raise FileNotFoundError(f"no shard files match {pattern!r}: give an image folder, 'photos', or local .tar shards")
+    return files
+
+
 class ShardImages(IterableDataset):
     """Every image of raw webdataset shards (documents' `0.png`, `1.jpg`, ...), split over ranks and workers.
 
@@ -134,9 +155,7 @@ class ShardImages(IterableDataset):
     """
 
     def __init__(self, pattern: str, size: int, train: bool, skip_bad: bool = True, seed: int = 0):
-        self.urls = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
-        if not self.urls:
-            raise ValueError(f"no shard files match {pattern!r}")
+        self.urls = local_shard_files(pattern)
         self.size, self.train, self.skip_bad, self.seed = size, train, skip_bad, seed
         self.skipped: dict[str, str] = {}
 
