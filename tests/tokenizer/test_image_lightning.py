@@ -175,3 +175,14 @@ def test_a_checkpoint_url_is_refused_before_anything_is_fetched(tmp_path, capsys
                      str(tmp_path / "run"), "--checkpoint", "http://127.0.0.1:9/evil.ckpt"])
     assert code == 2
     assert "is a URL" in capsys.readouterr().err
+
+
+def test_fewer_training_images_than_one_batch_is_refused_instead_of_looping_forever(tmp_path, capsys):
+    for i in range(4):
+        Image.fromarray(np.full((32, 32, 3), 40 * i, np.uint8)).save(tmp_path / f"img{i}.png")
+    code = cli.main(["tokenizer", "fit", "--model.preset", "demo-64", "--data.source", str(tmp_path),
+                     "--data.image_size", "64", "--data.batch_size", "8", "--trainer.max_steps", "2",
+                     "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(tmp_path / "run")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "number 3" in err and "data.batch_size is 8" in err and "--data.batch_size" in err

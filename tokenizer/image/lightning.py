@@ -271,7 +271,14 @@ class ImageDataModule(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        """Random crops, shuffled."""
+        """Random crops, shuffled; refuses a training set smaller than one batch (every epoch would be empty)."""
+        size, batch = getattr(self.train_set, "__len__", None), self.hparams.batch_size
+        if size is not None and size() < batch:
+            raise ValueError(
+                f"the training images of data.source {self.hparams.source!r} number {size()} (after the validation split) "
+                f"but data.batch_size is {batch}: no full batch, so training would never "
+                f"take a step; lower --data.batch_size to at most {size()} or add images"
+            )
         return self._loader(self.train_set, shuffle=True)
 
     def val_dataloader(self) -> DataLoader:
