@@ -46,3 +46,26 @@ def save_model(model: FusionModel, path: str | os.PathLike) -> Path:
         "hyper_parameters": {"config": model.config.to_dict()},
     }
     return atomic_torch_save(body, path)
+
+
+# Fields that decide the shapes and the function of the weights; the rest (dropout, attention backend, z-loss,
+# max_seq_len for RoPE, gradient checkpointing) may change when training continues from a checkpoint.
+ARCHITECTURE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "kv_heads", "hidden_dim", "qk_norm",
+                       "norm_placement", "norm_eps", "rope_theta", "image_offset", "image_codes")
+
+
+def architecture_differences(have: FusionConfig, want: FusionConfig) -> list[str]:
+    """`field: have vs want` for every architecture field on which two decoder configs disagree."""
+    return [f"{name}: {getattr(have, name)} vs {getattr(want, name)}" for name in ARCHITECTURE_FIELDS
+            if getattr(have, name) != getattr(want, name)]
+
+
+def checkpoint_config(path: str | os.PathLike) -> FusionConfig:
+    """The decoder config stored in a checkpoint file or transformers directory (what `load_model` would build)."""
+    path = Path(path)
+    if path.is_dir():
+        return load_model(path).config
+    config = (load_checkpoint_file(path, map_location="meta").get("hyper_parameters") or {}).get("config")
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} is not a fusion checkpoint (no hyper_parameters['config'])")
+    return FusionConfig.from_dict(config)

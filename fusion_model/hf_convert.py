@@ -1,17 +1,19 @@
-"""Import from / export to transformers' ChameleonForConditionalGeneration (config.json + safetensors)."""
+"""Import from / export to transformers' ChameleonForConditionalGeneration: weights, config, generation rules,
+tokenizer and processor, so one `from_pretrained` loads an export that generates what our sampler does."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 
 from fusion_model.config import FusionConfig
 from fusion_model.model import FusionModel
-from tokenizer.files import atomic_path, atomic_write_text
-from tokenizer.vocab import image_code_of_name, image_token_name
+from tokenizer.files import atomic_path, atomic_write_text, replace_directory
+from tokenizer.vocab import BOS, EOS, PAD, UnifiedVocab, image_code_of_name, image_token_name, text_mode_mask
 
 # A placeholder VQ encoder for exports without an image tokenizer: transformers always builds one, and
 # the default (70M parameters, random) would only cost time; text and image-token ids work without it.
@@ -19,6 +21,9 @@ PLACEHOLDER_VQ_CONFIG = dict(
     embed_dim=32, num_embeddings=8192, latent_channels=32, resolution=32, base_channels=32,
     channel_multiplier=[1, 2], num_res_blocks=1, attn_resolutions=None,
 )
+# Where an export keeps an image tokenizer transformers has no layout for (ImageTokenizer.from_pretrained loads it).
+IMAGE_TOKENIZER_FOLDER = "image_tokenizer"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def image_block(vocabulary_map: dict | None) -> tuple[int | None, int | None]:
@@ -105,8 +110,10 @@ def from_transformers(hf_model, **config_overrides) -> FusionModel:
     return model.to(next(iter(ours.values())).dtype)
 
 
-def to_transformers_config(config: FusionConfig, vocabulary_map: dict, vq_config: dict | None = None):
-    """The transformers ChameleonConfig equivalent to a FusionConfig."""
+def to_transformers_config(
+    config: FusionConfig, vocabulary_map: dict, vq_config: dict | None = None, dtype: torch.dtype | None = None
+):
+    """The transformers ChameleonConfig equivalent to a FusionConfig (pad/bos/eos ids from the map's names)."""
     from transformers import ChameleonConfig
 
     if not config.qk_norm:
@@ -118,32 +125,32 @@ def to_transformers_config(config: FusionConfig, vocabulary_map: dict, vq_config
         rms_norm_eps=config.norm_eps, rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
         swin_norm=config.norm_placement == "swin", vocabulary_map=vocabulary_map,
         vq_config=vq_config or PLACEHOLDER_VQ_CONFIG, tie_word_embeddings=False,
+        pad_token_id=vocabulary_map.get(PAD), bos_token_id=vocabulary_map.get(BOS),
+        eos_token_id=vocabulary_map.get(EOS),
     )
     hf_config.architectures = ["ChameleonForConditionalGeneration"]
+    if dtype is not None:
+        hf_config.dtype = dtype
     return hf_config
 
 
-def _vocabulary(config: FusionConfig, vocab, directory: Path) -> tuple[dict, Path | None]:
-    """The vocabulary map (name -> id) and tokenizer.json to copy, from a vocab or the image block alone.
+def _vocabulary(config: FusionConfig, vocab) -> tuple[dict, UnifiedVocab | None]:
+    """The vocabulary map (name -> id) and the UnifiedVocab, from a vocab or (without one) the image block alone.
 
-    vocab: None, a path to a tokenizer.json, or an object with `.save(path)` (UnifiedVocab).
+    vocab: None, a UnifiedVocab, or the path of its tokenizer.json.
     """
     if vocab is None:
         if config.image_offset is None:
             return {}, None
         return {image_token_name(k): config.image_offset + k for k in range(config.image_codes)}, None
-    from tokenizers import Tokenizer
-
-    if hasattr(vocab, "save"):
-        path = directory / "tokenizer.json"
-        vocab.save(path)
-    else:
-        path = Path(vocab)
-    tokenizer = Tokenizer.from_file(str(path))
-    mapping = tokenizer.get_vocab(with_added_tokens=True)
+    if not isinstance(vocab, UnifiedVocab):
+        vocab = UnifiedVocab.load(vocab)
+    mapping = vocab.tokenizer.get_vocab(with_added_tokens=True)
     if len(mapping) != config.vocab_size:
-        raise ValueError(f"to_transformers: {path} has {len(mapping)} tokens but the model has {config.vocab_size}")
-    return mapping, path
+        raise ValueError(
+            f"to_transformers: {vocab.source} has {len(mapping)} tokens but the model has {config.vocab_size}"
+        )
+    return mapping, vocab
 
 
 def _vq_weights(image_tokenizer) -> tuple[dict | None, dict]:
@@ -173,34 +180,121 @@ def _vq_weights(image_tokenizer) -> tuple[dict | None, dict]:
     return vq_config, state
 
 
-def to_transformers(model: FusionModel, directory, image_tokenizer=None, vocab=None) -> Path:
+def _is_side_bundle(image_tokenizer) -> bool:
+    """Whether an image tokenizer is ours but of a layout transformers' ChameleonVQVAE cannot hold."""
+    config = getattr(image_tokenizer, "config", None)
+    return (hasattr(image_tokenizer, "save_pretrained") and hasattr(config, "grid_shape")
+            and (getattr(config, "quantizer", None) != "chameleon" or getattr(config, "norm_groups", 32) != 32))
+
+
+def _image_geometry(image_tokenizer) -> tuple[int, int] | None:
+    """(image side in pixels, codes per image) of an image tokenizer or ChameleonVQVAE; None without one."""
+    if image_tokenizer is None:
+        return None
+    config = image_tokenizer.config
+    if hasattr(config, "grid_shape"):  # ours
+        h, w = config.grid_shape
+        return config.image_size, h * w
+    side = config.resolution // 2 ** (len(config.channel_multiplier) - 1)  # a ChameleonVQVAE
+    return config.resolution, side * side
+
+
+def _placeholder_vq_state(vq_config: dict) -> dict:
+    """Deterministic initial weights of the placeholder VQ encoder (it never tokenises real images)."""
+    from transformers import ChameleonVQVAE, ChameleonVQVAEConfig
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return ChameleonVQVAE(ChameleonVQVAEConfig(**vq_config)).state_dict()
+
+
+def _save_pretrained_atomically(obj, directory: Path) -> list[str]:
+    """`obj.save_pretrained` into a scratch folder, then each file into `directory` atomically; the names."""
+    with tempfile.TemporaryDirectory(dir=directory, prefix=".save-") as scratch:
+        obj.save_pretrained(scratch)
+        names = sorted(f.name for f in Path(scratch).iterdir() if f.is_file())
+        for name in names:
+            with atomic_path(directory / name) as tmp:
+                shutil.copyfile(Path(scratch) / name, tmp)
+    return names
+
+
+def generation_config(vocab: UnifiedVocab):
+    """transformers' GenerationConfig with the sampler's text-mode rule: every id that is neither text, `</s>`
+    nor `<sep>` is suppressed (transformers masks image ids itself), so greedy `generate()` matches ours."""
+    from transformers import GenerationConfig
+
+    ids = torch.arange(vocab.vocab_size)
+    suppress = ~text_mode_mask(vocab) & ~vocab.is_image(ids)
+    return GenerationConfig(bos_token_id=vocab.bos_id, eos_token_id=vocab.eos_id, pad_token_id=vocab.pad_id,
+                            suppress_tokens=torch.nonzero(suppress).flatten().tolist())
+
+
+def processor(vocab: UnifiedVocab, image_size: int, image_seq_length: int):
+    """transformers' ChameleonProcessor for our vocabulary and an image tokenizer of `image_size` pixels.
+
+    Pixels are scaled to [-1, 1] as Chameleon's own preprocessing and ours do (x / 127.5 − 1, LANCZOS resize of
+    the shortest side, center crop); each `<image>` becomes `<boi>`, image_seq_length placeholders, `<eoi>`.
+    """
+    from transformers import ChameleonImageProcessorPil, ChameleonProcessor
+
+    images = ChameleonImageProcessorPil(size={"shortest_edge": image_size},
+                                     crop_size={"height": image_size, "width": image_size},
+                                     rescale_factor=1 / 127.5, image_mean=[1.0] * 3, image_std=[1.0] * 3)
+    return ChameleonProcessor(images, vocab.to_transformers(), image_seq_length=image_seq_length)
+
+
+def to_transformers(
+    model: FusionModel, directory, image_tokenizer=None, vocab=None, dtype: torch.dtype | None = None
+) -> Path:
     """Write `directory` loadable by ChameleonForConditionalGeneration.from_pretrained (offline).
 
-    vocab: path of the unified tokenizer.json (its names become config.vocabulary_map and it is copied);
-    without it the map names only the image block, which is what transformers needs to mask image logits.
-    image_tokenizer: when given (Chameleon layout), its VQ encoder is exported as model.vqmodel.
+    vocab: the UnifiedVocab or its tokenizer.json; its names become config.vocabulary_map, and it brings the
+    tokenizer files, generation_config.json (the text-mode rule, special ids) and, with an image tokenizer,
+    the processor files (AutoProcessor). Without it the map names only the image block.
+    image_tokenizer: a Chameleon-layout one (or a ChameleonVQVAE) is exported as model.vqmodel; one of our
+    other layouts (the "improved" quantizer) goes to `directory/image_tokenizer/` as our own bundle, and
+    model.vqmodel is then a placeholder that cannot tokenise images.
+    dtype: of the floating-point weights (default: the model's).
     """
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    vocabulary_map, tokenizer_path = _vocabulary(model.config, vocab, directory)
-    vq_config, vq_state = _vq_weights(image_tokenizer)
-    hf_config = to_transformers_config(model.config, vocabulary_map, vq_config)
+    vocabulary_map, unified = _vocabulary(model.config, vocab)
+    side_bundle = _is_side_bundle(image_tokenizer)
+    vq_config, vq_state = _vq_weights(None if side_bundle else image_tokenizer)
+    if side_bundle:
+        vq_state = _placeholder_vq_state(PLACEHOLDER_VQ_CONFIG)
+    dtype = dtype or next(model.parameters()).dtype
+    hf_config = to_transformers_config(model.config, vocabulary_map, vq_config, dtype)
     ours = model.state_dict()
     tensors = {}
     for name, targets in name_map(model.config).items():
         pieces = ours[name].split([ours_size(model.config, t) for t in targets], dim=0) if len(targets) > 1 else [ours[name]]
         for target, piece in zip(targets, pieces):
-            tensors[target] = piece.detach().to("cpu").contiguous().clone()
+            tensors[target] = piece.detach()
     for name, tensor in vq_state.items():
-        tensors["model.vqmodel." + name] = tensor.detach().to("cpu").contiguous().clone()
+        tensors["model.vqmodel." + name] = tensor.detach()
+    tensors = {k: (v.to(dtype) if v.is_floating_point() else v).to("cpu").contiguous().clone() for k, v in tensors.items()}
     with atomic_path(directory / "model.safetensors") as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
     atomic_write_text(directory / "config.json", hf_config.to_json_string())
-    if tokenizer_path is not None and tokenizer_path.resolve() != (directory / "tokenizer.json").resolve():
-        with atomic_path(directory / "tokenizer.json") as tmp:
-            shutil.copyfile(tokenizer_path, tmp)
+    if unified is not None:
+        _save_pretrained_atomically(generation_config(unified), directory)
+        geometry = _image_geometry(image_tokenizer)
+        if geometry is None:
+            _save_pretrained_atomically(unified.to_transformers(), directory)
+        else:
+            files = processor(unified, *geometry)
+            _save_pretrained_atomically(files, directory)  # processor_config.json and the tokenizer files
+            _save_pretrained_atomically(files.image_processor, directory)  # preprocessor_config.json
+    side = directory / IMAGE_TOKENIZER_FOLDER
+    if side_bundle:
+        with tempfile.TemporaryDirectory(dir=directory, prefix=".image_tokenizer-") as scratch:
+            replace_directory(image_tokenizer.save_pretrained(Path(scratch) / "bundle"), side)
+    elif side.is_dir():  # a stale bundle from an earlier export into the same folder would mislead
+        shutil.rmtree(side)
     return directory
 
 

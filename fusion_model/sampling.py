@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from tokenizer.compat import check_compatible
+from tokenizer.vocab import text_mode_mask
 
 MODES = ("text", "image", "interleaved")
 
@@ -269,11 +270,7 @@ class ModalityRules:
         # vocabulary masks
         all_ids = torch.arange(int(vocab.vocab_size), device=device)
         self.is_image = vocab.is_image(all_ids).to(device)
-        self.text_ok = vocab.is_text(all_ids).to(device) & ~self.is_image
-        self.text_ok[vocab.eos_id] = True
-        sep = getattr(vocab, "sep_id", None)
-        if sep is not None:  # the separator / end-of-turn is text-mode punctuation for chat-style documents
-            self.text_ok[sep] = True
+        self.text_ok = text_mode_mask(vocab).to(device)
         self.boi_only, self.eoi_only = all_ids == vocab.boi_id, all_ids == vocab.eoi_id
 
         # the state of each prompt

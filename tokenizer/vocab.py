@@ -57,6 +57,20 @@ def image_code_of_name(name: str) -> int | None:
     return code if image_token_name(code) == name else None  # "IMGIMGABZ" (a leading zero) names nothing
 
 
+def text_mode_mask(vocab: object) -> torch.Tensor:
+    """(vocab_size,) bool: the ids text mode may emit — text ids, `</s>` and `<sep>` (no image id, no other special).
+
+    The one definition of that rule: the sampler masks with it, and a transformers export suppresses the rest.
+    """
+    all_ids = torch.arange(int(vocab.vocab_size))
+    allowed = vocab.is_text(all_ids) & ~vocab.is_image(all_ids)
+    allowed[vocab.eos_id] = True
+    sep = getattr(vocab, "sep_id", None)
+    if sep is not None:  # the separator / end-of-turn is text-mode punctuation for chat-style documents
+        allowed[sep] = True
+    return allowed
+
+
 def reserved_name(index: int) -> str:
     """Name of the index-th reserved token (unused specials and the filler after BPE)."""
     return f"<reserved_{index}>"

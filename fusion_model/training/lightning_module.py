@@ -8,6 +8,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from fusion_model.checkpoint import architecture_differences, checkpoint_config, load_model
 from fusion_model.config import FusionConfig, FusionConfigDict
 from fusion_model.model import FusionModel
 from fusion_model.training.checkpointing import rng_state, set_rng_state
@@ -44,6 +45,7 @@ class FusionLightningModule(L.LightningModule):
         compile: bool = False,
         loss_chunk_size: int = 4096,
         nonfinite: str = "stop",
+        init_weights: str | None = None,
     ) -> None:
         """`config` is the decoder; the rest is the recipe (defaults: Chameleon's).
 
@@ -54,8 +56,13 @@ class FusionLightningModule(L.LightningModule):
         decay_steps: where the lr reaches `min_lr_ratio` x lr (default: trainer.max_steps).
         nonfinite: "stop" raises NonFiniteLossError naming the step and batch (no checkpoint is written
         for that step, so the last one stays good); "skip" drops that optimizer step and counts it.
+        init_weights: start a new run from these decoder weights (a checkpoint file, e.g. from `train.py convert
+        import`, or a transformers Chameleon directory); with config None the decoder config is the checkpoint's,
+        otherwise its architecture must match. Ignored when the run resumes from its own checkpoint.
         """
         super().__init__()
+        if config is None and init_weights:
+            config = checkpoint_config(init_weights)
         if config is None:
             config = FusionConfig.from_preset("tiny")
         if not isinstance(config, FusionConfig):
@@ -68,6 +75,7 @@ class FusionLightningModule(L.LightningModule):
         self.hparams["config"] = config.to_dict()
         self.model_config = config
         self.model = FusionModel(config)
+        self._init_weights = init_weights
         self.skipped_steps = 0
         self._bad_in_window = False
         self._batch_idx = -1
@@ -79,6 +87,19 @@ class FusionLightningModule(L.LightningModule):
         self._sharded = False
 
     # ---- model wrapping (FSDP2 / compile), called by Lightning inside the strategy's init context ----
+    def setup(self, stage: str) -> None:
+        """Load `init_weights` into a new run (a resumed run restores its own checkpoint instead)."""
+        if not self._init_weights or stage != "fit" or self.trainer.ckpt_path is not None:
+            return
+        loaded = load_model(self._init_weights)
+        differences = architecture_differences(loaded.config, self.model_config)
+        if differences:
+            raise ValueError(
+                f"model.init_weights {self._init_weights} holds another architecture ({'; '.join(differences)}; "
+                "checkpoint vs model.config): pass --model.config null to take the checkpoint's config"
+            )
+        self.model.load_state_dict(loaded.state_dict())
+
     def configure_model(self) -> None:
         """Apply torch.compile and, under ModelParallelStrategy, FSDP2 `fully_shard` per block and at the root."""
         if self._sharded:
