@@ -12,7 +12,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from data_shards.raw import ShardError, iter_raw_shard, read_raw_manifest
-from data_shards.token_shards import read_shard_meta, write_manifest, write_token_shard
+from data_shards.token_shards import read_shard_meta, sha256_file, write_manifest, write_token_shard
 from tokenizer.image.preprocess import ImageLoadError, open_image
 
 # Settings that change the ids; a finished shard is reused only if they all match.
@@ -29,9 +29,15 @@ def _is_pair(segments: list) -> bool:
     return len(segments) == 2 and sum(isinstance(s, str) for s in segments) == 1
 
 
-def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: dict, batch_size: int) -> dict:
-    """Tokenize one raw shard into the token shard of the same stem; returns the shard's meta."""
+def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: dict, batch_size: int,
+                   raw_sha256: str | None = None) -> dict:
+    """Tokenize one raw shard into the token shard of the same stem; returns the shard's meta.
+
+    `raw_sha256` is the hash the caller decided on (computed here when None); the tar is hashed again after
+    reading, so a raw shard rewritten meanwhile is refused rather than recorded under the wrong hash.
+    """
     name = raw_path.name.removesuffix(".tar")
+    raw_sha256 = raw_sha256 or sha256_file(raw_path)
     keys: list[str] = []
     documents: list[list[int]] = []
     pending: list[tuple[str, list]] = []
@@ -77,7 +83,11 @@ def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: 
             flush()
             pending_images = 0
     flush()
-    return write_token_shard(out_dir, name, keys, documents, {**info, "images": images_done, "source": raw_path.name})
+    if sha256_file(raw_path) != raw_sha256:
+        raise ShardError(f"shard {raw_path}: the raw shard changed while it was being tokenized; run "
+                         "`shards tokenize` again once it is no longer being written")
+    return write_token_shard(out_dir, name, keys, documents,
+                             {**info, "images": images_done, "source": raw_path.name, "raw_sha256": raw_sha256})
 
 
 _WORKER: dict = {}
@@ -88,8 +98,9 @@ def _init_worker(vocab, image_tokenizer) -> None:
     _WORKER.update(vocab=vocab, image_tokenizer=image_tokenizer)
 
 
-def _run_in_worker(raw_path: Path, out_dir: Path, info: dict, batch_size: int) -> dict:
-    return tokenize_shard(raw_path, out_dir, _WORKER["vocab"], _WORKER["image_tokenizer"], info, batch_size)
+def _run_in_worker(raw_path: Path, out_dir: Path, info: dict, batch_size: int, raw_sha256: str) -> dict:
+    return tokenize_shard(raw_path, out_dir, _WORKER["vocab"], _WORKER["image_tokenizer"], info, batch_size,
+                          raw_sha256)
 
 
 def pretokenize(
@@ -106,8 +117,9 @@ def pretokenize(
 ) -> dict:
     """Turn every raw shard of `raw_dir` into a token shard in `out_dir`; returns the written manifest.
 
-    Finished shards (same vocabulary, image tokenizer, flip probability and seed) are skipped, so an
-    interrupted run resumes; each shard's files are written tmp + rename, its meta last.
+    Finished shards (same raw tar bytes by sha256, vocabulary, image tokenizer, flip probability and seed)
+    are skipped, so an interrupted run resumes; a shard whose raw tar changed is tokenized again. Each
+    shard's files are written tmp + rename, its meta last.
     `image_tokenizer` may be None for text-only data.
     """
     if not 0.0 <= flip_probability <= 1.0:
@@ -126,23 +138,27 @@ def pretokenize(
         "seed": int(seed),
     }
     metas: dict[str, dict] = {}
-    todo: list[Path] = []
+    todo: list[tuple[Path, str]] = []
     for shard in raw_manifest["shards"]:
         name = shard["name"].removesuffix(".tar")
         meta = read_shard_meta(out_dir, name)
-        if meta is None:
-            todo.append(raw_dir / shard["name"])
-        elif all(meta.get(f) == info[f] for f in _REUSE_FIELDS):
-            metas[name] = meta
-        else:
+        # reuse keys on the raw bytes too: the same shard names in a rewritten raw directory hold other documents
+        raw_sha256 = sha256_file(raw_dir / shard["name"])
+        if meta is not None and any(meta.get(f) != info[f] for f in _REUSE_FIELDS):
             changed = [f for f in _REUSE_FIELDS if meta.get(f) != info[f]]
             raise ShardError(f"{out_dir}: shard {name} was tokenized with other settings ({', '.join(changed)}); "
                              "use an empty output directory")
+        if meta is not None and meta.get("raw_sha256") == raw_sha256:
+            metas[name] = meta
+            continue
+        if meta is not None:  # stale: made from other raw bytes (or before raw hashes were recorded)
+            (out_dir / f"{name}.meta.json").unlink()  # the shard counts as unfinished until rewritten
+        todo.append((raw_dir / shard["name"], raw_sha256))
     bar = tqdm(total=len(raw_manifest["shards"]), initial=len(metas), desc="tokenize", unit="shard",
                disable=not progress)
     if num_workers <= 1 or len(todo) <= 1:
-        for path in todo:
-            meta = tokenize_shard(path, out_dir, vocab, image_tokenizer, info, batch_size)
+        for path, raw_sha256 in todo:
+            meta = tokenize_shard(path, out_dir, vocab, image_tokenizer, info, batch_size, raw_sha256)
             metas[meta["name"]] = meta
             bar.update()
     else:
@@ -153,7 +169,8 @@ def pretokenize(
         context = multiprocessing.get_context(method)
         with ProcessPoolExecutor(num_workers, mp_context=context, initializer=_init_worker,
                                  initargs=(vocab, image_tokenizer)) as pool:
-            futures = [pool.submit(_run_in_worker, path, out_dir, info, batch_size) for path in todo]
+            futures = [pool.submit(_run_in_worker, path, out_dir, info, batch_size, raw_sha256)
+                       for path, raw_sha256 in todo]
             for future in futures:
                 meta = future.result()
                 metas[meta["name"]] = meta
@@ -161,7 +178,12 @@ def pretokenize(
     bar.close()
     header = {
         **{k: info[k] for k in ("vocab_fingerprint", "image_tokenizer_fingerprint", "vocab_size")},
+        # the id layout, so `fit` can check a model's image block without being given the vocabulary
         "pad_id": int(vocab.pad_id),
+        "bos_id": int(vocab.bos_id),
+        "eos_id": int(vocab.eos_id),
+        "image_offset": int(vocab.image_offset),
+        "image_codes": int(vocab.image_codes),
         "grid_shape": list(image_tokenizer.grid_shape) if image_tokenizer is not None else None,
         "flip_probability": info["flip_probability"],
         "seed": info["seed"],

@@ -198,14 +198,19 @@ def _split_member(name: str) -> tuple[str, str]:
     return (f"{directory}/{stem}" if directory else stem), ext.lower()
 
 
-def iter_tar_samples(path: str | Path, allowed: set[str] | None = None) -> Iterator[tuple[str, dict[str, bytes]]]:
+def iter_tar_samples(
+    path: str | Path, allowed: set[str] | None = None, repeated_keys: bool = False
+) -> Iterator[tuple[str, dict[str, bytes]]]:
     """Yield (key, {extension: bytes}) from a tar, checking every member; nothing is decoded here.
 
     Members of one sample must be adjacent (as webdataset writes them). Pickle-like members, links,
-    absolute/parent paths, duplicate members and truncated archives raise ShardError naming shard and key.
+    absolute/parent paths, duplicate members, a key that comes back after another key (unless
+    `repeated_keys`, for foreign tars whose caller lists the repeat itself) and truncated archives
+    raise ShardError naming shard and key.
     """
     path = Path(path)
     key, files, count = None, {}, 0
+    seen: set[str] = set()
     try:
         with tarfile.open(path, "r|*") as tar:
             for member in tar:
@@ -226,10 +231,16 @@ def iter_tar_samples(path: str | Path, allowed: set[str] | None = None) -> Itera
                 if allowed is not None and last not in allowed:
                     raise ShardError(f"{where}: unexpected member type .{ext} (allowed: {sorted(allowed)})")
                 if current_key != key:
+                    if current_key in seen and not repeated_keys:
+                        raise ShardError(
+                            f"{where}: sample key {current_key!r} appears twice in this shard (its members are "
+                            "not adjacent, or two samples share the key); re-create the shard with unique keys"
+                        )
                     if key is not None:
                         yield key, files
                         count += 1
                     key, files = current_key, {}
+                    seen.add(current_key)
                 if ext in files:
                     raise ShardError(f"{where}: duplicate member")
                 handle = tar.extractfile(member)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,15 +34,51 @@ def _image_or_skip(key: str, source: object, label: str) -> Image.Image | Sample
         return Sample(key, skip_reason=str(err))
 
 
+def _decode_utf8(data: bytes, label: str) -> str | Sample:
+    """`data` as text, or (for bytes that are not UTF-8) the reason to skip, naming `label` and the byte offset."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return Sample(
+            "",
+            skip_reason=f"{label}: not UTF-8 text (byte {err.start}: {err.reason}); "
+            "re-save it as UTF-8 (e.g. iconv -t UTF-8) to include it",
+        )
+
+
+def _utf8_lines(path: Path) -> Iterator[tuple[int, str | Sample]]:
+    """(line number, text) for each line of `path`; a line that is not UTF-8 comes as a skip reason instead."""
+    with path.open("rb") as handle:
+        for line_no, raw in enumerate(handle, 1):
+            yield line_no, _decode_utf8(raw, f"{path} line {line_no}")
+
+
+def _escapes_root(image: str) -> bool:
+    """Whether a jsonl image path is absolute or climbs out of the image root (`../../x.png`)."""
+    normal = os.path.normpath(image)
+    return os.path.isabs(image) or Path(image).drive != "" or normal == ".." or normal.startswith(".." + os.sep)
+
+
 def image_folder(root: str | Path, require_caption: bool = True) -> Iterator[Sample]:
     """Images under `root` (recursive) with sidecar captions `NAME.txt`: documents [caption, image]."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"image folder {root} does not exist")
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower().lstrip(".") in IMAGE_EXTENSIONS):
+    named = sorted(p for p in root.rglob("*") if p.suffix.lower().lstrip(".") in IMAGE_EXTENSIONS)
+    for path in named:
         key = safe_key(str(path.relative_to(root).with_suffix("")))
+        if not path.is_file():
+            if path.is_symlink():  # a link to itself (a loop) or to nothing: is_file() is False, so say why
+                yield Sample(key, skip_reason=f"{path}: symbolic link loop or broken link; fix or remove the link")
+            continue  # a directory named like an image
         caption_path = path.with_suffix(".txt")
-        caption = caption_path.read_text(encoding="utf-8").strip() if caption_path.is_file() else None
+        caption = None
+        if caption_path.is_file():
+            text = _decode_utf8(caption_path.read_bytes(), f"caption file {caption_path}")
+            if isinstance(text, Sample):
+                yield Sample(key, skip_reason=text.skip_reason)
+                continue
+            caption = text.strip()
         if caption is None and require_caption:
             yield Sample(key, skip_reason=f"{path}: no caption file {caption_path.name}")
             continue
@@ -59,7 +96,8 @@ def img2dataset_tars(paths: Iterable[str | Path]) -> Iterator[Sample]:
     """
     for tar_path in map(Path, paths):
         allowed = {"txt", "json"} | IMAGE_EXTENSIONS
-        for raw_key, files in iter_tar_samples(tar_path, allowed):
+        # a key repeated inside the tar is skipped and listed by write_raw, like any other duplicate key
+        for raw_key, files in iter_tar_samples(tar_path, allowed, repeated_keys=True):
             key = safe_key(f"{tar_path.stem}_{raw_key}")
             label = f"{tar_path.name}:{raw_key}"
             meta = {}
@@ -92,67 +130,79 @@ def obelics_jsonl(path: str | Path, image_root: str | Path | None = None) -> Ite
     """
     path = Path(path)
     root = Path(image_root) if image_root is not None else path.parent
-    with path.open(encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            label = f"{path.name} line {line_no}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                yield Sample(safe_key(f"{path.stem}_{line_no}"), skip_reason=f"{label}: invalid JSON ({err})")
-                continue
-            key = safe_key(f"{path.stem}_{row.get('id', line_no)}" if isinstance(row, dict) else f"{path.stem}_{line_no}")
-            texts, images = (row.get("texts"), row.get("images")) if isinstance(row, dict) else (None, None)
-            if not isinstance(texts, list) or not isinstance(images, list) or len(texts) != len(images):
-                yield Sample(key, skip_reason=f"{label}: needs 'texts' and 'images' lists of equal length")
-                continue
-            segments: list[str | Image.Image] = []
-            reason = None
-            for slot, (text, image) in enumerate(zip(texts, images)):
-                if (text is None) == (image is None):
-                    reason = f"{label} slot {slot}: exactly one of texts[{slot}] / images[{slot}] must be set"
-                elif text is not None:
-                    if isinstance(text, str) and text.strip():
-                        segments.append(text)
-                elif not isinstance(image, str) or "://" in image:
-                    reason = f"{label} slot {slot}: image {image!r} is not a local path (download it first)"
-                else:
-                    opened = _image_or_skip(key, root / image, f"{label} image {image}")
-                    if isinstance(opened, Sample):
-                        reason = opened.skip_reason
-                    else:
-                        segments.append(opened)
-                if reason:
-                    break
-            if reason or not segments:
-                yield Sample(key, skip_reason=reason or f"{label}: empty document")
+    for line_no, line in _utf8_lines(path):
+        label = f"{path.name} line {line_no}"
+        if isinstance(line, Sample):
+            yield Sample(safe_key(f"{path.stem}_{line_no}"), skip_reason=line.skip_reason)
+            continue
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            yield Sample(safe_key(f"{path.stem}_{line_no}"), skip_reason=f"{label}: invalid JSON ({err})")
+            continue
+        key = safe_key(f"{path.stem}_{row.get('id', line_no)}" if isinstance(row, dict) else f"{path.stem}_{line_no}")
+        texts, images = (row.get("texts"), row.get("images")) if isinstance(row, dict) else (None, None)
+        if not isinstance(texts, list) or not isinstance(images, list) or len(texts) != len(images):
+            yield Sample(key, skip_reason=f"{label}: needs 'texts' and 'images' lists of equal length")
+            continue
+        segments: list[str | Image.Image] = []
+        reason = None
+        for slot, (text, image) in enumerate(zip(texts, images)):
+            if (text is None) == (image is None):
+                reason = f"{label} slot {slot}: exactly one of texts[{slot}] / images[{slot}] must be set"
+            elif text is not None:
+                if isinstance(text, str) and text.strip():
+                    segments.append(text)
+            elif not isinstance(image, str) or "://" in image:
+                reason = f"{label} slot {slot}: image {image!r} is not a local path (download it first)"
+            elif _escapes_root(image):
+                reason = (
+                    f"{label} slot {slot}: image path {image!r} is absolute or leaves the image root {root}; "
+                    "give paths relative to the image root (--image-root) inside it"
+                )
             else:
-                yield Sample(key, segments)
+                opened = _image_or_skip(key, root / image, f"{label} image {image}")
+                if isinstance(opened, Sample):
+                    reason = opened.skip_reason
+                else:
+                    segments.append(opened)
+            if reason:
+                break
+        if reason or not segments:
+            yield Sample(key, skip_reason=reason or f"{label}: empty document")
+        else:
+            yield Sample(key, segments)
 
 
 def text_corpus(paths: Iterable[str | Path], text_field: str = "text") -> Iterator[Sample]:
     """Text-only documents: one per `.txt` file, or one per line of a `.jsonl` (its `text_field`)."""
     for path in map(Path, paths):
         if path.suffix == ".jsonl":
-            with path.open(encoding="utf-8") as handle:
-                for line_no, line in enumerate(handle, 1):
-                    if not line.strip():
-                        continue
-                    key = safe_key(f"{path.stem}_{line_no}")
-                    try:
-                        text = json.loads(line).get(text_field)
-                    except (json.JSONDecodeError, AttributeError) as err:
-                        yield Sample(key, skip_reason=f"{path.name} line {line_no}: invalid JSON object ({err})")
-                        continue
-                    if isinstance(text, str) and text.strip():
-                        yield Sample(key, [text])
-                    else:
-                        yield Sample(key, skip_reason=f"{path.name} line {line_no}: no string field {text_field!r}")
+            for line_no, line in _utf8_lines(path):
+                key = safe_key(f"{path.stem}_{line_no}")
+                if isinstance(line, Sample):
+                    yield Sample(key, skip_reason=line.skip_reason)
+                    continue
+                if not line.strip():
+                    continue
+                try:
+                    text = json.loads(line).get(text_field)
+                except (json.JSONDecodeError, AttributeError) as err:
+                    yield Sample(key, skip_reason=f"{path.name} line {line_no}: invalid JSON object ({err})")
+                    continue
+                if isinstance(text, str) and text.strip():
+                    yield Sample(key, [text])
+                else:
+                    yield Sample(key, skip_reason=f"{path.name} line {line_no}: no string field {text_field!r}")
         else:
-            text = path.read_text(encoding="utf-8")
             key = safe_key(path.stem)
-            yield Sample(key, [text]) if text.strip() else Sample(key, skip_reason=f"{path}: empty text file")
+            text = _decode_utf8(path.read_bytes(), f"text file {path}")
+            if isinstance(text, Sample):
+                yield Sample(key, skip_reason=text.skip_reason)
+            else:
+                yield Sample(key, [text]) if text.strip() else Sample(key, skip_reason=f"{path}: empty text file")
 
 
 DIGIT_WORDS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine"]

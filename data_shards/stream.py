@@ -10,6 +10,13 @@ every piece is read exactly once per epoch across the job. A rank's batches are 
 DataLoader workers starting at the resume position, so the resumable state is just (epoch, batches
 consumed). Row composition does not matter to the model because attention never crosses a document
 (see `document_causal_mask`).
+
+Resume under another world size (or batch size): the state also records the global position, the number
+of leading rows of the epoch's permutation the whole job has consumed (ranks move in lock step), plus the
+rows past it that some ranks already took (only after `merge_states` of unequal ranks). The new job deals
+the rows not yet consumed round-robin over its ranks; `len()` keeps its value for the new world size, and
+the position is renumbered as batch `len() - remaining batches` of the epoch, so every rank still gets the
+same number of batches and every row is read exactly once across the old and new runs.
 """
 
 from __future__ import annotations
@@ -80,6 +87,24 @@ def pack_rows(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray
     return row_ptr, np.argsort(row_of, kind="stable").astype(np.int64)
 
 
+def _positions_left(start: int, taken, num_rows: int, count: int | None = None) -> np.ndarray:
+    """Positions >= start of an epoch's row permutation not in `taken`, in order (the first `count` of them)."""
+    stop = num_rows if count is None else min(num_rows, start + count + len(taken))
+    return np.setdiff1d(np.arange(start, stop, dtype=np.int64), np.asarray(taken, dtype=np.int64))[:count]
+
+
+def _advance(start: int, taken, count: int, num_rows: int) -> tuple[int, list[int]]:
+    """The global position (first row not consumed, positions past it taken) after `count` more rows."""
+    position = start + count
+    for t in sorted(int(t) for t in taken if t >= start):
+        if t > position:
+            break
+        position += 1  # a taken position before (or at) the new start was consumed already: skip it
+    if position >= num_rows:
+        return num_rows, []
+    return position, sorted(int(t) for t in taken if position < t < num_rows)
+
+
 class PackedTokenStream(IterableDataset):
     """Batches {input_ids, document_ids, position_ids} (LongTensors (B, T)) from a token shard directory.
 
@@ -132,10 +157,15 @@ class PackedTokenStream(IterableDataset):
         self.epoch = 0
         self._start_batch = 0
         self._consumed = 0
+        # After a resume under another layout: (epoch, first batch, first row position, positions past it
+        # already taken); that epoch's batches from `first batch` on deal the rows not yet consumed.
+        self._resume: tuple[int, int, int, tuple[int, ...]] | None = None
         self._shards: list[TokenShard] | None = None  # opened lazily in each process
 
     def _open_shards(self) -> list[TokenShard]:
-        return [TokenShard(self.token_dir, name, self.vocab_size) for name in self.shard_names]
+        # verify=True: each file's size + sha256 against its meta, hashed once per process (forked DataLoader
+        # workers inherit what __init__ checked), so a damaged shard fails at start-up naming its file
+        return [TokenShard(self.token_dir, name, self.vocab_size, verify=True) for name in self.shard_names]
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
@@ -155,30 +185,43 @@ class PackedTokenStream(IterableDataset):
         _, world = self.world()
         return -(-self.num_rows // (world * self.batch_size))
 
+    def _layout(self, epoch: int) -> tuple[int, int, tuple[int, ...]]:
+        """(first batch, first row position, positions past it already taken) that `epoch` deals from."""
+        if self._resume is not None and self._resume[0] == epoch:
+            return self._resume[1:]
+        return 0, 0, ()
+
     def row_order(self, epoch: int) -> np.ndarray:
-        """All row indices of `epoch` in dealing order, padded with -1 (an all-padding row)."""
+        """Row indices `epoch` deals from its first batch (0, or the resume batch), padded with -1 (padding row)."""
         rows = np.arange(self.num_rows)
         if self.shuffle:
             rows = np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
+        first, start, taken = self._layout(epoch)
+        if start or taken:
+            rows = rows[_positions_left(start, taken, self.num_rows)]
         _, world = self.world()
-        total = len(self) * world * self.batch_size
-        return np.concatenate([rows, np.full(total - self.num_rows, -1, dtype=rows.dtype)])
+        total = (len(self) - first) * world * self.batch_size
+        return np.concatenate([rows, np.full(total - len(rows), -1, dtype=rows.dtype)])
 
     def batch_rows(self, epoch: int, batch: int, order: np.ndarray | None = None) -> np.ndarray:
         """Row indices of this rank's batch number `batch` in `epoch` (-1 = padding row)."""
         rank, world = self.world()
         order = self.row_order(epoch) if order is None else order
-        slots = (batch * self.batch_size + np.arange(self.batch_size)) * world + rank
+        first, _, _ = self._layout(epoch)
+        slots = ((batch - first) * self.batch_size + np.arange(self.batch_size)) * world + rank
         return order[slots]
 
     # -- position ------------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Start the next pass at the beginning of `epoch`."""
+        self._resume = None
         self.set_position(epoch, 0)
 
     def set_position(self, epoch: int, batches_consumed: int) -> None:
         """Start the next pass at batch `batches_consumed` of `epoch` (and fix rank/world for workers)."""
         self.rank, self.world_size = self.world()
+        if self._resume is not None and (self._resume[0] != epoch or batches_consumed < self._resume[1]):
+            self._resume = None  # a resume layout holds for the rest of its own epoch only
         self.epoch, self._start_batch, self._consumed = int(epoch), int(batches_consumed), int(batches_consumed)
 
     def signature(self) -> str:
@@ -188,35 +231,102 @@ class PackedTokenStream(IterableDataset):
                      self.seed, self.shuffle, world))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
+    def order_signature(self) -> str:
+        """A hash of what fixes the rows and their order in each epoch (data, seq_len, seed, shuffle)."""
+        text = repr((self.manifest["shards"], self.manifest["vocab_fingerprint"], self.seq_len, self.seed,
+                     self.shuffle))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
     def state_dict(self) -> dict:
         """Position after the batches this process has yielded (use make_dataloader's with workers)."""
         return self.position_state(self.epoch, self._consumed)
 
     def position_state(self, epoch: int, batches_consumed: int) -> dict:
-        """The resumable state for a position: (epoch, batches consumed) plus what fixes the layout."""
+        """The resumable state for a position: (epoch, batches consumed), what fixes the layout, and the
+        global position: `rows_consumed` leading rows of the epoch's permutation plus `rows_taken` positions
+        past it are consumed once every rank has consumed `batches_consumed` batches (ranks in lock step)."""
+        rank, world = self.world()
+        first, start, taken = self._layout(epoch)
+        dealt = max(0, batches_consumed - first) * world * self.batch_size
+        rows_consumed, rows_taken = _advance(start, taken, dealt, self.num_rows)
         return {"epoch": int(epoch), "batches_consumed": int(batches_consumed), "num_batches": len(self),
-                "signature": self.signature()}
+                "signature": self.signature(), "order_signature": self.order_signature(), "rank": rank,
+                "world_size": world, "batch_size": self.batch_size, "num_rows": self.num_rows,
+                "rows_consumed": rows_consumed, "rows_taken": rows_taken}
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume exactly at a state from `state_dict()`.
+        """Resume exactly at a state from `state_dict()` (or `merge_states`), also under another world size.
 
-        A state saved with other data or settings (shards, seq_len, batch_size, seed, shuffle, world
-        size) is accepted only at an epoch boundary (the next epoch starts; e.g. more nodes after a
-        restart); mid-epoch it is refused, since exact resume would be impossible.
+        With the same rows (data, seq_len, seed, shuffle) the next batches deal the rows not yet consumed
+        round-robin over this world size and batch size, and the position becomes batch `len(self) -
+        remaining batches`: bit-exact when nothing changed. A state saved with other data or settings is
+        accepted only at an epoch boundary (the next epoch starts); mid-epoch it is refused.
         """
         epoch, consumed = int(state["epoch"]), int(state["batches_consumed"])
+        if "rows_consumed" in state and state.get("order_signature") == self.order_signature():
+            self._resume_at(epoch, int(state["rows_consumed"]), state.get("rows_taken", ()), consumed)
+            return
         if state.get("signature") != self.signature():
             if consumed >= state.get("num_batches", float("inf")):
                 epoch, consumed = epoch + 1, 0
             elif consumed != 0:
                 raise ValueError(
                     f"loader state (epoch {epoch}, batch {consumed}) was saved for other data or settings "
-                    "(shards, seq_len, batch_size, seed, shuffle or world size differ); exact resume mid-epoch "
+                    "(shards, seq_len, seed or shuffle differ); exact resume mid-epoch "
                     "is impossible: resume from an end-of-epoch checkpoint or start a new epoch with set_epoch"
                 )
             warnings.warn(f"loader state was saved with other data or settings; starting epoch {epoch} afresh",
                           stacklevel=2)
+        self._resume = None
         self.set_position(epoch, consumed)
+
+    def _resume_at(self, epoch: int, start: int, taken, saved_batches: int) -> None:
+        start, rows_taken = _advance(start, taken, 0, self.num_rows)
+        _, world = self.world()
+        per_batch = world * self.batch_size
+        remaining = self.num_rows - start - len(rows_taken)
+        first = len(self) - -(-remaining // per_batch)
+        # The plain layout reaches this position by itself (always so when the layout did not change):
+        # keep it, so a resume under the same settings is the uninterrupted run bit for bit.
+        plain = not rows_taken and start == min(first * per_batch, self.num_rows)
+        self._resume = None if plain else (epoch, first, start, tuple(rows_taken))
+        if first < saved_batches:
+            warnings.warn(
+                f"the loader resumes epoch {epoch} at batch {first} of {len(self)} (saved at batch {saved_batches} "
+                "under a smaller world size x batch size); a trainer that restores its own count of the epoch's "
+                f"batches (Lightning) ends this epoch {saved_batches - first} batches early and skips their rows",
+                stacklevel=3,
+            )
+        self.set_position(epoch, first)
+
+    @staticmethod
+    def merge_states(states: list[dict]) -> dict:
+        """One state from the `state_dict()` of every rank of a job, also when they consumed unequal counts.
+
+        It resumes at the lowest common position and lists the rows past it that some ranks already took
+        (`rows_taken`); `load_state_dict` then deals only the rows nobody consumed.
+        """
+        if not states or any("rows_consumed" not in s for s in states):
+            raise ValueError("merge_states needs the state_dict() of every rank (states with rows_consumed)")
+        base = min(states, key=lambda s: s["batches_consumed"])
+        for key in ("epoch", "order_signature", "world_size", "batch_size", "num_rows"):
+            if len({s[key] for s in states}) != 1:
+                raise ValueError(f"states of one job must agree on {key}; got {sorted({s[key] for s in states})}")
+        world, batch, num_rows = base["world_size"], base["batch_size"], base["num_rows"]
+        if sorted(s["rank"] for s in states) != list(range(world)):
+            raise ValueError(f"need the state of each of ranks 0..{world - 1} once, got ranks "
+                             f"{sorted(s['rank'] for s in states)}")
+        low = base["batches_consumed"]
+        ahead = max(s["batches_consumed"] for s in states) - low
+        left = _positions_left(base["rows_consumed"], base["rows_taken"], num_rows, ahead * world * batch)
+        taken = list(base["rows_taken"])
+        for s in states:
+            # rank r's batch low + j held the rows at these indices of what was left at `low` (round-robin)
+            j = np.arange(s["batches_consumed"] - low)[:, None]
+            index = ((j * batch + np.arange(batch)) * world + s["rank"]).ravel()
+            taken += left[index[index < len(left)]].tolist()
+        rows_consumed, rows_taken = _advance(base["rows_consumed"], taken, 0, num_rows)
+        return {**base, "rank": None, "rows_consumed": rows_consumed, "rows_taken": rows_taken}
 
     # -- batches -------------------------------------------------------------------------------------
     def make_batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
@@ -290,6 +400,7 @@ class ResumableDataLoader(DataLoader):
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next `iter()` start at the beginning of `epoch`."""
+        self.dataset.set_epoch(epoch)  # drops a resume layout of that epoch
         self._epoch, self._consumed, self._fresh = int(epoch), 0, True
 
     def __iter__(self):

@@ -2,19 +2,22 @@
 
 Layout of a token directory: `manifest.json` and, per shard NAME, `NAME.ids.npy` (all ids concatenated),
 `NAME.offsets.npy` (int64, documents + 1 entries), `NAME.keys.json` (sample keys, read only to name a
-document in an error) and `NAME.meta.json` (counts and settings; written last, so its presence means the
-shard is complete).
+document in an error) and `NAME.meta.json` (counts, settings, the sha256 of the raw shard it came from and
+the size + sha256 of each of the three files above; written last, so its presence means the shard is complete).
+Opening a shard checks those checksums (once per process and file); `verify_token_dir` checks everything.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 from pathlib import Path
 
 import numpy as np
 
 from data_shards.raw import ShardError
-from tokenizer.files import atomic_open, atomic_write_json
+from tokenizer.files import atomic_write_bytes, atomic_write_json
 
 TOKEN_FORMAT = "early-fusion-tokens/1"
 MANIFEST = "manifest.json"
@@ -29,6 +32,13 @@ MANIFEST_FIELDS = {
     "tokens": int,
     "shards": list,
 }
+# The vocabulary layout recorded since checksums were added; older manifests lack these (checks then skip them).
+LAYOUT_FIELDS = ("vocab_size", "image_offset", "image_codes", "pad_id", "bos_id", "eos_id")
+SHARD_FILES = (".ids.npy", ".offsets.npy", ".keys.json")
+_REMEDY = "the shard is corrupt or stale: re-run `train.py shards tokenize` into a fresh directory"
+_HASH_CHUNK = 8 << 20
+# (path, size, mtime_ns) -> sha256 of files already checked in this process (inherited by forked workers).
+_VERIFIED: dict[tuple[str, int, int], str] = {}
 
 
 def id_dtype(vocab_size: int) -> np.dtype:
@@ -36,9 +46,45 @@ def id_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
-def _save_npy_atomic(path: Path, array: np.ndarray) -> None:
-    with atomic_open(path, "wb") as handle:
-        np.save(handle, array, allow_pickle=False)
+def sha256_file(path: str | Path) -> str:
+    """sha256 (hex) of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _write_checked(path: Path, data: bytes) -> dict:
+    atomic_write_bytes(path, data)
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _npy_bytes(array: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, array, allow_pickle=False)
+    return buffer.getvalue()
+
+
+def check_file(path: Path, expected: dict) -> None:
+    """Raise ShardError naming `path` unless its size and sha256 equal `expected` ({"bytes", "sha256"}).
+
+    The hash is computed once per process and file (keyed by size and mtime), so a stream's workers and
+    repeated opens do not re-read the file.
+    """
+    try:
+        stat = path.stat()
+    except OSError as err:
+        raise ShardError(f"{path}: cannot read ({err}); {_REMEDY}") from err
+    if stat.st_size != expected["bytes"]:
+        raise ShardError(f"{path}: {stat.st_size} bytes, but {expected['bytes']} were written (truncated or "
+                         f"overwritten); {_REMEDY}")
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    actual = _VERIFIED.get(key) or sha256_file(path)
+    if actual != expected["sha256"]:
+        raise ShardError(f"{path}: sha256 {actual[:16]}... differs from the {expected['sha256'][:16]}... recorded "
+                         f"when it was written (bytes changed on disk); {_REMEDY}")
+    _VERIFIED[key] = actual
 
 
 def write_token_shard(out_dir: str | Path, name: str, keys: list[str], documents: list[list[int]], info: dict) -> dict:
@@ -54,15 +100,19 @@ def write_token_shard(out_dir: str | Path, name: str, keys: list[str], documents
         raise ShardError(f"shard {name}, key {keys[doc]!r}: token id {int(flat[bad])} outside the vocabulary "
                          f"(size {vocab_size}); the vocabulary and image tokenizer do not match")
     out_dir.mkdir(parents=True, exist_ok=True)
-    _save_npy_atomic(out_dir / f"{name}.ids.npy", flat.astype(id_dtype(vocab_size)))
-    _save_npy_atomic(out_dir / f"{name}.offsets.npy", offsets)
-    atomic_write_json(out_dir / f"{name}.keys.json", keys)
+    files = {
+        f"{name}.ids.npy": _write_checked(out_dir / f"{name}.ids.npy", _npy_bytes(flat.astype(id_dtype(vocab_size)))),
+        f"{name}.offsets.npy": _write_checked(out_dir / f"{name}.offsets.npy", _npy_bytes(offsets)),
+        f"{name}.keys.json": _write_checked(out_dir / f"{name}.keys.json",
+                                            (json.dumps(keys, indent=2) + "\n").encode()),
+    }
     meta = {
         "name": name,
         "documents": len(documents),
         "tokens": int(offsets[-1]),
         "max_id": int(flat.max()) if flat.size else -1,
         **info,
+        "files": files,
     }
     atomic_write_json(out_dir / f"{name}.meta.json", meta)
     return meta
@@ -70,7 +120,8 @@ def write_token_shard(out_dir: str | Path, name: str, keys: list[str], documents
 
 def write_manifest(token_dir: str | Path, header: dict, shard_metas: list[dict]) -> dict:
     """Write `manifest.json` for finished shards: `header` (fingerprints, vocab_size, pad_id, ...) + totals."""
-    shards = [{k: v for k, v in meta.items() if k in ("name", "source", "documents", "tokens", "images", "max_id")}
+    shards = [{k: v for k, v in meta.items()
+               if k in ("name", "source", "raw_sha256", "documents", "tokens", "images", "max_id", "files")}
               for meta in shard_metas]
     manifest = {
         "format": TOKEN_FORMAT,
@@ -91,7 +142,13 @@ def read_shard_meta(token_dir: str | Path, name: str) -> dict | None:
     path = token_dir / f"{name}.meta.json"
     if not path.is_file() or not (token_dir / f"{name}.ids.npy").is_file():
         return None
-    return json.loads(path.read_text())
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ShardError(f"{path}: unreadable shard meta ({err}); {_REMEDY}") from err
+    if not isinstance(meta, dict):
+        raise ShardError(f"{path}: shard meta is not a JSON object; {_REMEDY}")
+    return meta
 
 
 def read_manifest(token_dir: str | Path) -> dict:
@@ -111,6 +168,9 @@ def read_manifest(token_dir: str | Path) -> dict:
         raise ShardError(f"{path}: format {manifest['format']!r}, expected {TOKEN_FORMAT!r}")
     if not manifest["shards"]:
         raise ShardError(f"{path}: lists no shards")
+    for field in LAYOUT_FIELDS:
+        if field in manifest and manifest[field] is not None and not isinstance(manifest[field], int):
+            raise ShardError(f"{path}: field {field!r} is not an int")
     for shard in manifest["shards"]:
         for suffix in (".ids.npy", ".offsets.npy", ".keys.json", ".meta.json"):
             if not (token_dir / f"{shard['name']}{suffix}").is_file():
@@ -122,28 +182,73 @@ def read_manifest(token_dir: str | Path) -> dict:
 
 
 class TokenShard:
-    """Read access to one token shard: ids as a read-only memmap, offsets in memory, keys loaded on demand."""
+    """Read access to one token shard: ids as a read-only memmap, offsets in memory, keys loaded on demand.
 
-    def __init__(self, token_dir: str | Path, name: str, vocab_size: int) -> None:
+    Opening checks the structure (offsets against the meta's counts) and, when the meta records them
+    (shards written since checksums were added), each file's size and sha256 (once per process and file).
+    """
+
+    def __init__(self, token_dir: str | Path, name: str, vocab_size: int, verify: bool = True) -> None:
         self.token_dir = Path(token_dir)
         self.name = name
         self.vocab_size = vocab_size
         self._keys: list[str] | None = None
+        ids_path, offsets_path = self.path(".ids.npy"), self.path(".offsets.npy")
+        self.meta = read_shard_meta(self.token_dir, name)
+        if self.meta is None:
+            raise ShardError(f"{self.path('.meta.json')}: missing (or {ids_path.name} missing); {_REMEDY}")
+        loading = ids_path
         try:
-            self.ids = np.load(self.token_dir / f"{name}.ids.npy", mmap_mode="r", allow_pickle=False)
-            self.offsets = np.load(self.token_dir / f"{name}.offsets.npy", allow_pickle=False)
-            documents = json.loads((self.token_dir / f"{name}.meta.json").read_text())["documents"]
-        except (OSError, ValueError, KeyError) as err:
-            raise ShardError(f"shard {name}: unreadable token shard ({err}); re-run `shards tokenize`") from err
+            self.ids = np.load(ids_path, mmap_mode="r", allow_pickle=False)
+            loading = offsets_path
+            self.offsets = np.load(offsets_path, allow_pickle=False)
+            documents = int(self.meta["documents"])
+        # a damaged .npy header surfaces as almost anything (ValueError, SyntaxError, tokenize.TokenError, ...)
+        except Exception as err:  # noqa: BLE001
+            raise ShardError(f"shard {name}: unreadable token shard {loading} ({type(err).__name__}: {err}); "
+                             f"{_REMEDY}") from err
+        where = f"shard {name} ({ids_path})"
         if self.ids.ndim != 1 or self.offsets.ndim != 1 or self.offsets.dtype != np.int64:
-            raise ShardError(f"shard {name}: ids must be 1-D and offsets 1-D int64")
+            raise ShardError(f"{where}: ids must be 1-D and offsets 1-D int64; {_REMEDY}")
         if len(self.offsets) != documents + 1 or self.offsets[0] != 0 or self.offsets[-1] != len(self.ids):
-            raise ShardError(f"shard {name}: offsets ({len(self.offsets)}) do not match its {documents} documents "
-                             f"and {len(self.ids)} ids; the shard is corrupt, re-run `shards tokenize`")
+            raise ShardError(f"shard {name}: offsets ({len(self.offsets)} in {offsets_path}) do not match its "
+                             f"{documents} documents and {len(self.ids)} ids; {_REMEDY}")
         if np.any(np.diff(self.offsets) < 0):
-            raise ShardError(f"shard {name}: offsets are not increasing; the shard is corrupt")
+            raise ShardError(f"shard {name}: offsets in {offsets_path} are not increasing; {_REMEDY}")
         if documents == 0:
-            raise ShardError(f"shard {name}: empty shard (no documents)")
+            raise ShardError(f"{where}: empty shard (no documents); {_REMEDY}")
+        if "tokens" in self.meta and self.meta["tokens"] != len(self.ids):
+            raise ShardError(f"{where}: {len(self.ids)} ids but its meta says {self.meta['tokens']}; {_REMEDY}")
+        if verify:
+            self.verify_files()
+
+    def path(self, suffix: str) -> Path:
+        """The path of this shard's file with `suffix` (".ids.npy", ".offsets.npy", ".keys.json", ".meta.json")."""
+        return self.token_dir / f"{self.name}{suffix}"
+
+    @property
+    def has_checksums(self) -> bool:
+        """Whether the meta records file checksums (shards written before they were added do not)."""
+        return isinstance(self.meta.get("files"), dict)
+
+    def verify_files(self) -> None:
+        """Check each file's size and sha256 against the meta (no-op for shards written without checksums)."""
+        if not self.has_checksums:
+            return
+        for suffix in SHARD_FILES:
+            expected = self.meta["files"].get(f"{self.name}{suffix}")
+            if not isinstance(expected, dict):
+                raise ShardError(f"{self.path('.meta.json')}: no checksum for {self.name}{suffix}; {_REMEDY}")
+            try:
+                check_file(self.path(suffix), expected)
+            except ShardError as err:
+                if suffix == ".ids.npy":  # name the document when the damage put an id outside the vocabulary
+                    for start in range(0, len(self.ids), _HASH_CHUNK):
+                        try:
+                            self.check_ids(start, min(start + _HASH_CHUNK, len(self.ids)))
+                        except ShardError as id_err:
+                            raise ShardError(f"{id_err} ({err})") from err
+                raise
 
     def __len__(self) -> int:
         """Documents in the shard."""
@@ -153,9 +258,13 @@ class TokenShard:
     def keys(self) -> list[str]:
         """Sample keys, one per document (read from NAME.keys.json the first time)."""
         if self._keys is None:
-            keys = json.loads((self.token_dir / f"{self.name}.keys.json").read_text())
-            if len(keys) != len(self):
-                raise ShardError(f"shard {self.name}: {len(keys)} keys for {len(self)} documents; re-run `shards tokenize`")
+            try:
+                keys = json.loads(self.path(".keys.json").read_text())
+            except (OSError, ValueError) as err:
+                raise ShardError(f"{self.path('.keys.json')}: unreadable ({err}); {_REMEDY}") from err
+            if not isinstance(keys, list) or len(keys) != len(self):
+                raise ShardError(f"{self.path('.keys.json')}: {len(keys) if isinstance(keys, list) else 'no'} keys "
+                                 f"for {len(self)} documents; {_REMEDY}")
             self._keys = keys
         return self._keys
 
@@ -171,4 +280,34 @@ class TokenShard:
             bad = start + int(np.flatnonzero(chunk >= self.vocab_size)[0])
             doc = int(np.searchsorted(self.offsets, bad, side="right") - 1)
             raise ShardError(f"shard {self.name}, key {self.keys[doc]!r}: token id {int(self.ids[bad])} >= "
-                             f"vocab_size {self.vocab_size}; this shard was made with another vocabulary")
+                             f"vocab_size {self.vocab_size} in {self.path('.ids.npy')}; the shard was made with another "
+                             f"vocabulary or is corrupt: run `train.py shards verify {self.token_dir}`, then re-run "
+                             "`train.py shards tokenize` into a fresh directory")
+
+
+def verify_shard(token_dir: str | Path, entry: dict, vocab_size: int) -> None:
+    """Check one shard fully (checksums, structure, every id < vocab_size, counts = meta = manifest entry)."""
+    shard = TokenShard(token_dir, entry["name"], vocab_size)
+    where = f"shard {shard.name} ({shard.path('.ids.npy')})"
+    for field in ("documents", "tokens"):
+        if field in entry and entry[field] != shard.meta.get(field):
+            raise ShardError(f"{where}: the manifest says {entry[field]} {field}, its meta {shard.meta.get(field)}; "
+                             f"{_REMEDY}")
+    for start in range(0, len(shard.ids), _HASH_CHUNK):
+        shard.check_ids(start, min(start + _HASH_CHUNK, len(shard.ids)))
+    shard.keys  # noqa: B018 -- reading them checks their count
+
+
+def verify_token_dir(token_dir: str | Path) -> tuple[dict, list[tuple[str, str]]]:
+    """Verify every shard of a token directory; returns (manifest, [(shard name, problem), ...]).
+
+    A manifest that cannot be read raises (nothing else can be checked then).
+    """
+    manifest = read_manifest(token_dir)
+    problems = []
+    for entry in manifest["shards"]:
+        try:
+            verify_shard(token_dir, entry, manifest["vocab_size"])
+        except ShardError as err:
+            problems.append((entry["name"], str(err)))
+    return manifest, problems

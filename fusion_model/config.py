@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypedDict, get_type_hints
@@ -42,6 +43,7 @@ class FusionConfig:
     gradient_checkpointing: bool = False  # recompute each block in backward (memory for speed)
 
     def __post_init__(self) -> None:
+        self._check_field_values()
         if self.dim % self.n_heads:
             raise ValueError(f"FusionConfig: dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.kv_heads:
@@ -63,6 +65,39 @@ class FusionConfig:
                 f"FusionConfig: image block [{self.image_offset}, {self.image_offset + self.image_codes}) "
                 f"does not fit in vocab_size {self.vocab_size}"
             )
+
+    def _check_field_values(self) -> None:
+        """Check each field on its own: sizes positive ints, rates in range, switches bools."""
+        # a dim of 0 would otherwise train an empty model with exit 0, a vocab_size of -5 fail deep inside torch
+
+        def fail(name: str, rule: str) -> None:
+            raise ValueError(f"FusionConfig: {name}={getattr(self, name)!r} is invalid: {rule} (--model.config.{name})")
+
+        def is_int(value: Any) -> bool:
+            return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+        def is_real(value: Any) -> bool:
+            return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "max_seq_len"):
+            if not is_int(getattr(self, name)) or getattr(self, name) <= 0:
+                fail(name, "it must be a positive integer")
+        for name in ("n_kv_heads", "ffn_dim", "image_codes"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value <= 0):
+                fail(name, "it must be a positive integer or null")
+        if self.image_offset is not None and (not is_int(self.image_offset) or self.image_offset < 0):
+            fail("image_offset", "it must be an integer >= 0 or null")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            if not is_real(getattr(self, name)) or getattr(self, name) <= 0:
+                fail(name, "it must be a finite number > 0")
+        if not is_real(self.dropout) or not 0 <= self.dropout < 1:
+            fail("dropout", "it must be a number with 0 <= dropout < 1")
+        if not is_real(self.z_loss_coef) or self.z_loss_coef < 0:
+            fail("z_loss_coef", "it must be a finite number >= 0")
+        for name in ("qk_norm", "image_bidirectional", "gradient_checkpointing"):
+            if not isinstance(getattr(self, name), bool):
+                fail(name, "it must be true or false")
 
     # ---- derived sizes -------------------------------------------------------------------------
     @property

@@ -49,7 +49,8 @@ def check_compatible(
     if shards is not None:
         _shards_fit(shards, shards_dir, vocab, image_tokenizer_fingerprint)
         if val_shards is not None:
-            for field in ("vocab_fingerprint", "image_tokenizer_fingerprint", "vocab_size"):
+            layout = [f for f in ("image_offset", "image_codes") if f in val_shards and f in shards]
+            for field in ("vocab_fingerprint", "image_tokenizer_fingerprint", "vocab_size", *layout):
                 if val_shards[field] != shards[field]:
                     raise CompatibilityError(
                         f"validation shards differ from the training shards in {field} ({val_shards[field]} vs "
@@ -68,6 +69,8 @@ def _model_fits(model: Any, vocab: Any, shards: dict | None, shards_dir: Any, se
             f"the shards in {shards_dir} were tokenized with a {shards['vocab_size']}-entry vocabulary but "
             f"model.config.vocab_size={model.vocab_size}; set --model.config.vocab_size {shards['vocab_size']}"
         )
+    if shards is not None:
+        _model_fits_shard_layout(model, shards, shards_dir, training)
     if vocab is None:
         return
     if model.vocab_size != vocab.vocab_size:
@@ -90,6 +93,28 @@ def _model_fits(model: Any, vocab: Any, shards: dict | None, shards_dir: Any, se
                 f"(image block offset {model.image_offset}, {model.image_codes} codes vs offset {vocab.image_offset}, "
                 f"{vocab.image_codes} codes): {hint}"
             )
+
+
+def _model_fits_shard_layout(model: Any, shards: dict, shards_dir: Any, training: bool) -> None:
+    """The model's image block against the one the shards were tokenized with (manifests since it is recorded)."""
+    if not isinstance(shards.get("image_offset"), int) or not isinstance(shards.get("image_codes"), int):
+        return  # an older manifest without the layout: only the vocabulary (--vocab) can tell
+    offset, codes = shards["image_offset"], shards["image_codes"]
+    block = f"--model.config.image_offset {offset} --model.config.image_codes {codes}"
+    if model.image_offset is None:
+        if training and codes > 0:
+            raise CompatibilityError(
+                f"model.config has no image block but the shards in {shards_dir} were tokenized with image ids "
+                f"[{offset}, {offset + codes}), so image targets would count as text; set {block}"
+            )
+        return
+    if (model.image_offset, model.image_codes) != (offset, codes):
+        hint = f"set {block}" if training else "use shards tokenized with the checkpoint's vocabulary"
+        raise CompatibilityError(
+            f"the model's image block (model.config.image_offset={model.image_offset}, model.config.image_codes="
+            f"{model.image_codes}) differs from the shards' in {shards_dir} (image_offset {offset}, image_codes "
+            f"{codes}): {hint}"
+        )
 
 
 def _shards_fit(shards: dict, shards_dir: Any, vocab: Any, image_tokenizer_fingerprint: str | None) -> None:

@@ -31,15 +31,55 @@ def _fsync_file(path: Path) -> None:
         os.fsync(handle.fileno())
 
 
+def _process_alive(pid: int) -> bool:
+    """Whether a process with this id exists (one owned by another user counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError, OverflowError):
+        return True
+    return True
+
+
+def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:
+    """Delete `.<name>.tmp-<pid>` files next to `path` left by writers that were killed; returns them.
+
+    A kill during a save leaves its temporary file behind (a whole checkpoint at 7B); the next write to
+    the same name removes it once its process is gone. Files of live processes (a concurrent writer,
+    or this one) are kept.
+    """
+    path = Path(path)
+    prefix = f".{path.name}.tmp-"
+    removed = []
+    try:
+        siblings = list(path.parent.iterdir())
+    except OSError:
+        return removed
+    for sibling in siblings:
+        pid = sibling.name[len(prefix) :] if sibling.name.startswith(prefix) else ""
+        if not pid.isdigit() or int(pid) == os.getpid() or _process_alive(int(pid)):
+            continue
+        try:
+            if sibling.is_file() and not sibling.is_symlink():
+                sibling.unlink()
+                removed.append(sibling)
+        except OSError:
+            pass  # another writer cleaned it up first, or it is not ours to delete
+    return removed
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path next to `path`; when the block succeeds, the file there becomes `path` atomically.
 
     For writers that want a file name (safetensors, tokenizers, PIL). Readers see the old file or the complete
     new one, never half of it; on an exception the temporary file is removed and `path` is untouched.
+    Temporary files of earlier writers to `path` that were killed are removed first.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         yield tmp

@@ -1,4 +1,5 @@
-"""`python train.py shards write|tokenize|inspect`: ingest sources, pre-tokenize, and look inside shard directories."""
+"""`python train.py shards write|tokenize|inspect|verify`: ingest sources, pre-tokenize, look inside and check
+shard directories."""
 
 from __future__ import annotations
 
@@ -57,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     ins.add_argument("dir", metavar="DIR", help="raw or token shard directory")
     ins.add_argument("--show", type=int, default=0, help="also print the first N documents")
     ins.add_argument("--vocab", default=None, help="tokenizer.json to decode token shards with --show")
+
+    ver = sub.add_parser("verify", help="check every token shard (checksums, ids < vocab_size, offsets, counts); "
+                                        "exit 2 when any is bad")
+    ver.add_argument("dir", metavar="TOKENS_DIR", help="token shard directory (from `shards tokenize`)")
     return parser
 
 
@@ -132,6 +137,11 @@ def _inspect(args: argparse.Namespace) -> int:
 
     manifest = read_manifest(args.dir)
     print(json.dumps(manifest, indent=2))
+    # open what is summarised: a damaged shard fails here (naming its file), not in the middle of training
+    opened = [TokenShard(args.dir, s["name"], manifest["vocab_size"]) for s in manifest["shards"]]
+    unchecked = [s.name for s in opened if not s.has_checksums]
+    print(f"opened {len(opened)} shards" + (f" ({len(unchecked)} written without checksums)" if unchecked else
+                                            ", checksums match"))
     if args.show:
         vocab = None
         if args.vocab:
@@ -147,7 +157,23 @@ def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify(args: argparse.Namespace) -> int:
+    from data_shards.token_shards import verify_token_dir
+
+    manifest, problems = verify_token_dir(args.dir)
+    for name, problem in problems:
+        print(f"BAD {name}: {problem}")
+    total = len(manifest["shards"])
+    if problems:
+        print(f"{len(problems)} of {total} shards in {args.dir} are bad; re-run `train.py shards tokenize` into a "
+              "fresh directory")
+        return 2
+    print(f"all {total} shards in {args.dir} are good ({manifest['documents']} documents, {manifest['tokens']} "
+          "tokens)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python train.py shards ...`; bad input (ShardError, ImageLoadError: ValueErrors) exits 2."""
     args = build_parser().parse_args(argv)
-    return {"write": _write, "tokenize": _tokenize, "inspect": _inspect}[args.action](args)
+    return {"write": _write, "tokenize": _tokenize, "inspect": _inspect, "verify": _verify}[args.action](args)

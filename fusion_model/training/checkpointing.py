@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,55 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         atomic_torch_save(checkpoint, path)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict[str, Any]:
-        """Load with `weights_only=True` whatever the caller asked: checkpoints never need unpickling."""
-        return load_checkpoint_file(path, map_location=map_location if map_location is not None else "cpu")
+        """Load with `weights_only=True` whatever the caller asked; a broken file names a good one to resume from."""
+        try:
+            return load_checkpoint_file(path, map_location=map_location if map_location is not None else "cpu")
+        except ValueError as err:
+            if "://" in str(path):
+                raise
+            raise ValueError(broken_checkpoint_message(Path(path), err)) from err
+
+
+def _is_complete(path: Path) -> bool:
+    """Cheap check that a torch.save file is whole: its zip central directory (written last) is readable."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return bool(archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def previous_good_checkpoint(path: str | Path) -> Path | None:
+    """The newest other `*.ckpt` file in `path`'s folder that is complete, or None."""
+    path = Path(path)
+    try:
+        candidates = [p for p in path.parent.glob("*.ckpt") if p.is_file() and p.resolve() != path.resolve()]
+    except OSError:
+        return None
+    for candidate in sorted(candidates, key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True):
+        if _is_complete(candidate):
+            return candidate
+    return None
+
+
+def broken_checkpoint_message(path: Path, err: Exception) -> str:
+    """One line: which checkpoint cannot be loaded, why (first line of the error), and which one to resume from."""
+    text = str(err.__cause__ or err).strip()
+    reason = text.splitlines()[0][:200] if text else type(err).__name__
+    size = path.stat().st_size if path.is_file() else 0
+    what = (
+        "is empty (0 bytes)"
+        if size == 0
+        else f"could not be loaded with torch.load(weights_only=True): it is truncated or holds pickled objects "
+        f"({size} bytes; {reason})"
+    )
+    good = previous_good_checkpoint(path)
+    todo = (
+        f"resume from the previous good checkpoint in the same folder instead: --ckpt_path {good}"
+        if good is not None
+        else "no other complete checkpoint is in its folder: start without --ckpt_path or pass an earlier one"
+    )
+    return f"checkpoint {path} {what}; {todo}"
 
 
 class AtomicModelParallelStrategy(ModelParallelStrategy):

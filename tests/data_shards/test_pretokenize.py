@@ -10,7 +10,7 @@ from PIL import Image
 from data_shards.pretokenize import flip_pair, pretokenize
 from data_shards.raw import RawShardWriter, ShardError
 from data_shards.stream import PackedTokenStream
-from data_shards.token_shards import TokenShard, read_manifest
+from data_shards.token_shards import TokenShard, read_manifest, sha256_file
 from tokenizer.image import ImageTokenizer, ImageTokenizerConfig
 from tokenizer.vocab import train_unified_vocab
 
@@ -159,3 +159,29 @@ def test_raw_directory_without_documents_is_an_error(tmp_path, vocab, image_toke
         writer.skip("only", "bad image")
     with pytest.raises(ShardError, match="no raw shards.*1 skipped"):
         pretokenize(tmp_path / "raw", tmp_path / "tok", vocab, image_tokenizer, progress=False)
+
+
+def test_rerun_on_changed_raw_shards_of_the_same_names_tokenizes_the_new_documents(tmp_path, vocab, image_tokenizer,
+                                                                                    raw_dir):
+    out = tmp_path / "tok"
+    pretokenize(raw_dir, out, vocab, image_tokenizer, progress=False)
+    changed = tmp_path / "raw2"  # the same shard names (shard-000000.tar, ...) holding other documents
+    with RawShardWriter(changed, shard_max_docs=3) as writer:
+        for i in range(5):
+            writer.add(f"new{i}", [f"the digit {['one', 'two'][i % 2]}", _image(200 + i)])
+    assert {p.name for p in changed.glob("*.tar")} <= {p.name for p in raw_dir.glob("*.tar")}
+    counting = _CountingTokenizer(image_tokenizer)
+    manifest = pretokenize(changed, out, vocab, counting, progress=False)
+    assert counting.images == 5, "every changed shard is tokenized again"
+    fresh = pretokenize(changed, tmp_path / "fresh", vocab, image_tokenizer, progress=False)
+    assert _documents(out) == _documents(tmp_path / "fresh") and sorted(_documents(out)) == [f"new{i}" for i in range(5)]
+    assert manifest == fresh and manifest["documents"] == 5
+    assert [s["raw_sha256"] for s in manifest["shards"]] == [sha256_file(changed / f"shard-{i:06d}.tar") for i in (0, 1)]
+
+
+def test_the_manifest_carries_the_vocabulary_layout(tmp_path, vocab, image_tokenizer, raw_dir):
+    manifest = pretokenize(raw_dir, tmp_path / "tok", vocab, image_tokenizer, progress=False)
+    layout = {k: manifest[k] for k in ("vocab_size", "image_offset", "image_codes", "pad_id", "bos_id", "eos_id")}
+    assert layout == {"vocab_size": vocab.vocab_size, "image_offset": vocab.image_offset, "image_codes": 512,
+                      "pad_id": vocab.pad_id, "bos_id": vocab.bos_id, "eos_id": vocab.eos_id}
+    assert read_manifest(tmp_path / "tok") == manifest

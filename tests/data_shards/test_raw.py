@@ -153,3 +153,24 @@ def test_raw_shards_are_plain_webdataset_shards(tmp_path):
     assert [s["__key__"] for s in samples] == ["doc0", "doc1"]
     assert json.loads(samples[0]["json"]) == {"segments": [{"text": "a caption"}, {"image": 0}]}
     assert Image.open(io.BytesIO(samples[0]["0.png"])).size == (12, 10)
+
+
+def test_a_key_that_comes_back_after_another_key_is_refused_naming_it(tmp_path):
+    body = json.dumps({"segments": [{"text": "x"}]}).encode()
+    path = tmp_path / "dup.tar"
+    with tarfile.open(path, "w") as tar:
+        for name in ("a.json", "b.json", "a.json"):
+            info = tarfile.TarInfo(name)
+            info.size = len(body)
+            tar.addfile(info, io.BytesIO(body))
+    with pytest.raises(ShardError, match=r"shard dup.tar, key 'a'.*appears twice.*re-create the shard with unique keys"):
+        list(iter_raw_shard(path))
+
+
+def test_writer_refuses_a_non_adjacent_duplicate_key_across_shards(tmp_path):
+    with RawShardWriter(tmp_path, shard_max_docs=1) as writer:
+        writer.add("a", ["x"])
+        writer.add("b", ["y"])  # "a" is now in a finished shard
+        with pytest.raises(ValueError, match="duplicate sample key 'a'"):
+            writer.add("a", ["z"])
+    assert read_raw_manifest(tmp_path)["documents"] == 2

@@ -151,3 +151,94 @@ def test_emoji_from_an_unpacked_npm_package_layout(tmp_path):
     assert {k: _shape(v) for k, v in _read_all(tmp_path / "raw").items()} == {
         "emoji_1F600": ["an emoji of grinning face", (64, 64)]}
     assert [s["key"] for s in manifest["skipped"]] == ["emoji_1F601"]
+
+
+LATIN1 = "café crème".encode("latin-1")  # not UTF-8: byte 0xe9 starts an unfinished sequence
+
+
+def test_non_utf8_captions_and_texts_are_skipped_and_listed(tmp_path):
+    folder = tmp_path / "images"
+    folder.mkdir()
+    (folder / "good.png").write_bytes(_png())
+    (folder / "good.txt").write_text("a green square")
+    (folder / "latin.png").write_bytes(_png())
+    (folder / "latin.txt").write_bytes(LATIN1)
+    (tmp_path / "book.txt").write_bytes(LATIN1)
+    (tmp_path / "lines.jsonl").write_bytes(b'{"text": "first"}\n{"text": "' + LATIN1 + b'"}\n{"text": "third"}\n')
+    (tmp_path / "imgs").mkdir()
+    (tmp_path / "imgs" / "a.png").write_bytes(_png())
+    (tmp_path / "docs.jsonl").write_bytes(
+        b'{"id": "d1", "texts": ["' + LATIN1 + b'", null], "images": [null, "imgs/a.png"]}\n'
+        + json.dumps({"id": "d2", "texts": ["ok", None], "images": [None, "imgs/a.png"]}).encode() + b"\n"
+    )
+    samples = itertools.chain(
+        sources.image_folder(folder),
+        sources.text_corpus([tmp_path / "book.txt", tmp_path / "lines.jsonl"]),
+        sources.obelics_jsonl(tmp_path / "docs.jsonl"),
+    )
+    manifest = sources.write_raw(samples, tmp_path / "raw")  # finishes: shards plus a manifest
+    assert set(_read_all(tmp_path / "raw")) == {"good", "lines_1", "lines_3", "docs_d2"}
+    reasons = {s["key"]: s["reason"] for s in manifest["skipped"]}
+    assert set(reasons) == {"latin", "book", "lines_2", "docs_1"}
+    assert "latin.txt" in reasons["latin"] and "book.txt" in reasons["book"]
+    assert "lines.jsonl line 2" in reasons["lines_2"] and "docs.jsonl line 1" in reasons["docs_1"]
+    assert all("not UTF-8" in r and "re-save it as UTF-8" in r for r in reasons.values())
+
+
+def test_non_utf8_caption_stops_a_strict_run_naming_the_file(tmp_path):
+    folder = tmp_path / "images"
+    folder.mkdir()
+    (folder / "latin.png").write_bytes(_png())
+    (folder / "latin.txt").write_bytes(LATIN1)
+    with pytest.raises(ValueError, match=r"sample 'latin' rejected: caption file .*latin\.txt: not UTF-8.*--strict"):
+        sources.write_raw(sources.image_folder(folder), tmp_path / "raw", strict=True)
+
+
+def test_obelics_image_paths_must_stay_inside_the_image_root(tmp_path):
+    root = tmp_path / "data"
+    (root / "imgs").mkdir(parents=True)
+    (root / "imgs" / "a.png").write_bytes(_png(size=(10, 11)))
+    (tmp_path / "secret.png").write_bytes(_png())  # outside the root: must never be read
+    rows = [
+        {"id": "ok", "texts": ["x", None], "images": [None, "imgs/../imgs/a.png"]},
+        {"id": "up", "texts": ["x", None], "images": [None, "../secret.png"]},
+        {"id": "deep", "texts": ["x", None], "images": [None, "imgs/../../secret.png"]},
+        {"id": "abs", "texts": ["x", None], "images": [None, str(tmp_path / "secret.png")]},
+        {"id": "etc", "texts": ["x", None], "images": [None, "/etc/hostname"]},
+    ]
+    jsonl = root / "docs.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    manifest = sources.write_raw(sources.obelics_jsonl(jsonl), tmp_path / "raw")
+    assert {k: _shape(v) for k, v in _read_all(tmp_path / "raw").items()} == {"docs_ok": ["x", (10, 11)]}
+    reasons = {s["key"]: s["reason"] for s in manifest["skipped"]}
+    assert set(reasons) == {"docs_up", "docs_deep", "docs_abs", "docs_etc"}
+    assert "'../secret.png' is absolute or leaves the image root" in reasons["docs_up"]
+    assert "'/etc/hostname'" in reasons["docs_etc"] and all("relative to the image root" in r for r in reasons.values())
+
+
+def test_image_folder_lists_a_symlink_loop_and_a_broken_link(tmp_path):
+    folder = tmp_path / "images"
+    folder.mkdir()
+    (folder / "cat.png").write_bytes(_png())
+    (folder / "cat.txt").write_text("a cat")
+    (folder / "loop.png").symlink_to("loop.png")
+    (folder / "gone.png").symlink_to("nowhere.png")
+    manifest = sources.write_raw(sources.image_folder(folder), tmp_path / "raw")
+    assert set(_read_all(tmp_path / "raw")) == {"cat"}
+    reasons = {s["key"]: s["reason"] for s in manifest["skipped"]}
+    assert set(reasons) == {"loop", "gone"}
+    assert "loop.png: symbolic link loop" in reasons["loop"] and "fix or remove the link" in reasons["loop"]
+
+
+def test_img2dataset_tar_with_a_repeated_key_lists_the_second_copy(tmp_path):
+    path = tmp_path / "00000.tar"
+    with tarfile.open(path, "w") as tar:
+        for name, data in [("a.png", _png()), ("a.txt", b"first"), ("b.png", _png()), ("b.txt", b"b"),
+                           ("a.png", _png(size=(9, 9))), ("a.txt", b"again")]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    manifest = sources.write_raw(sources.img2dataset_tars([path]), tmp_path / "raw")
+    assert {k: _shape(v) for k, v in _read_all(tmp_path / "raw").items()} == {
+        "00000_a": ["first", (16, 16)], "00000_b": ["b", (16, 16)]}
+    assert [(s["key"], "duplicate key" in s["reason"]) for s in manifest["skipped"]] == [("00000_a", True)]

@@ -62,6 +62,26 @@ def test_config_rejects_bad_values_with_names():
     assert FusionConfig.from_dict(tiny().to_dict()) == tiny()
 
 
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("dim", 0), ("vocab_size", -5), ("n_layers", 0), ("n_heads", 0), ("max_seq_len", -1), ("n_kv_heads", 0),
+     ("ffn_dim", 0), ("dim", 64.0), ("n_layers", True), ("norm_eps", 0.0), ("rope_theta", -1.0),
+     ("rope_theta", float("nan")), ("init_std", 0), ("dropout", 1.0), ("dropout", -0.1), ("z_loss_coef", -1e-5),
+     ("qk_norm", "yes"), ("image_codes", 0)],
+)
+def test_config_validates_every_field_up_front_naming_it(field, value):
+    overrides = {field: value}
+    if field == "image_codes":
+        overrides["image_offset"] = 0
+    with pytest.raises(ValueError, match=rf"FusionConfig: {field}=.*invalid.*--model\.config\.{field}"):
+        FusionConfig.from_preset("tiny", **overrides)
+
+
+def test_config_accepts_edge_values():
+    config = FusionConfig.from_preset("tiny", dropout=0.0, z_loss_coef=0, rope_theta=500000, image_offset=0, image_codes=8)
+    assert config.rope_theta == 500000 and config.image_offset == 0
+
+
 def test_from_dict_starts_from_a_named_preset_and_overrides_its_fields():
     written = {"preset": "small", "dropout": 0.1, "vocab_size": 65536}
     config = FusionConfig.from_dict(written)

@@ -4,7 +4,10 @@ refuses pickled objects, URLs and missing files."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import subprocess
+import sys
 from collections import OrderedDict
 
 import numpy as np
@@ -19,6 +22,7 @@ from tokenizer.files import (
     atomic_write_json,
     atomic_write_text,
     load_checkpoint_file,
+    remove_stale_temporaries,
     replace_directory,
 )
 
@@ -152,3 +156,37 @@ def test_load_checkpoint_file_names_a_missing_file(tmp_path):
     (tmp_path / "folder.ckpt").mkdir()
     with pytest.raises(FileNotFoundError, match="folder.ckpt"):
         load_checkpoint_file(tmp_path / "folder.ckpt")
+
+
+def _dead_pid() -> int:
+    """The id of a process that has exited (and been reaped), so os.kill(pid, 0) fails."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_atomic_path_removes_temporaries_of_killed_writers_but_keeps_live_ones(tmp_path):
+    target = tmp_path / "last.ckpt"
+    target.write_bytes(b"old")
+    stale = tmp_path / f".last.ckpt.tmp-{_dead_pid()}"
+    stale.write_bytes(b"half of a checkpoint")
+    live = tmp_path / f".last.ckpt.tmp-{os.getppid()}"  # a writer that is still running
+    live.write_bytes(b"being written")
+    other = tmp_path / f".other.ckpt.tmp-{_dead_pid()}"  # another file's temporary: not ours to judge
+    other.write_bytes(b"x")
+    atomic_write_bytes(target, b"new")
+    assert target.read_bytes() == b"new"
+    assert not stale.exists(), "the killed writer's temporary file is removed"
+    assert live.exists() and other.exists()
+    assert _names(tmp_path) == sorted([other.name, live.name, "last.ckpt"])
+
+
+def test_remove_stale_temporaries_keeps_this_process_file(tmp_path):
+    target = tmp_path / "weights.bin"
+    mine = tmp_path / f".weights.bin.tmp-{os.getpid()}"
+    mine.write_bytes(b"mine")
+    stale = tmp_path / f".weights.bin.tmp-{_dead_pid()}"
+    stale.write_bytes(b"old")
+    (tmp_path / ".weights.bin.tmp-notapid").write_bytes(b"?")
+    assert remove_stale_temporaries(target) == [stale]
+    assert mine.exists() and (tmp_path / ".weights.bin.tmp-notapid").exists()

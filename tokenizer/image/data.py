@@ -4,8 +4,10 @@ photos for validation, an image folder, or raw webdataset shards; bad files are 
 from __future__ import annotations
 
 import glob
+import logging
 import math
 import re
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +34,20 @@ TRAIN_PHOTOS = (
 )
 HELD_OUT_PHOTOS = ("chelsea", "rocket", "gravel")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+REPORT_NAMES = 5  # bad files named in a skip report; the rest are counted
+
+log = logging.getLogger(__name__)
+
+
+def skip_report(skipped: dict[str, str], where: str) -> str:
+    """One line for the log: how many bad images were skipped in `where`, the first few by name, what to do."""
+    names = list(skipped)[:REPORT_NAMES]
+    first = next(iter(skipped.values()), "")
+    more = f" and {len(skipped) - len(names)} more" if len(skipped) > len(names) else ""
+    return (
+        f"skipped {len(skipped)} unreadable image(s) or shard(s) in {where}: {', '.join(names)}{more} "
+        f"(first error: {first}); fix or remove them, or set --data.skip_bad_images false to stop at the first"
+    )
 
 
 def load_photo(name: str) -> torch.Tensor:
@@ -113,6 +129,17 @@ class ImageFiles(Dataset):
         ).permute(2, 0, 1)
         return random_crop(pixels, self.size, generator)
 
+    def _note_skip(self, name: str, reason: str) -> None:
+        # a map-style dataset has no end of epoch of its own: name the first few bad files as they are met,
+        # then report the running count at each power of ten, so a folder of broken files is never silent
+        if name in self.skipped:
+            return
+        self.skipped[name] = reason
+        count = len(self.skipped)
+        if count <= REPORT_NAMES or math.log10(count).is_integer():
+            split = "training" if self.train else "validation"
+            log.warning(skip_report(self.skipped, f"the {split} image files"))
+
     def __getitem__(self, index: int) -> torch.Tensor:
         for attempt in range(len(self.files)):
             i = (index + attempt) % len(self.files)
@@ -121,7 +148,7 @@ class ImageFiles(Dataset):
             except ImageLoadError as err:
                 if not self.skip_bad:
                     raise
-                self.skipped[str(self.files[i])] = str(err)
+                self._note_skip(str(self.files[i]), str(err))
         raise ImageLoadError(
             f"none of the {len(self.files)} image files could be read; first error: "
             f"{next(iter(self.skipped.values()), '?')}"
@@ -168,7 +195,30 @@ class ShardImages(IterableDataset):
         workers, worker_id = (worker.num_workers, worker.id) if worker else (1, 0)
         urls = self.urls[rank * workers + worker_id :: world * workers] or self.urls[:1]
         generator = torch.Generator().manual_seed(self.seed * 7919 + rank * 101 + worker_id)
-        for sample in wds.WebDataset(urls, shardshuffle=False, empty_check=False):
+        before = len(self.skipped)
+        for url in urls:
+            yield from self._shard_images(wds, url, generator)
+        if len(self.skipped) > before:  # the end of this worker's pass over its shards: one report line
+            split = "training" if self.train else "validation"
+            log.warning(skip_report(self.skipped, f"the {split} shards (this pass: {len(self.skipped) - before})"))
+
+    def _shard_images(self, wds, url: str, generator: torch.Generator):
+        """The images of one shard; a truncated or unreadable tar is a ValueError naming it, or a skip."""
+        samples = iter(wds.WebDataset([url], shardshuffle=False, empty_check=False))
+        while True:
+            try:
+                sample = next(samples)
+            except StopIteration:
+                return
+            except (tarfile.TarError, EOFError, OSError) as err:
+                reason = f"truncated or unreadable tar ({type(err).__name__}: {err.args[0] if err.args else err})"
+                if not self.skip_bad:
+                    raise ValueError(
+                        f"image shard {url}: {reason}; re-create this shard or remove it from data.source "
+                        "(or set --data.skip_bad_images true to skip the rest of it)"
+                    ) from err
+                self.skipped[url] = reason  # the images read before the damage were used
+                return
             for key, value in sample.items():
                 if not key.lower().endswith(tuple(s[1:] for s in IMAGE_SUFFIXES)) or not isinstance(
                     value, bytes

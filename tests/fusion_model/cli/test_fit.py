@@ -230,3 +230,18 @@ def test_sample_writer_writes_samples_at_its_interval(tmp_path):
     assert written == ["step00000002"]
     samples = json.loads(next(tmp_path.rglob("samples.json")).read_text())["samples"]
     assert len(samples) == 2 and all(1 <= len(s["ids"]) <= 6 for s in samples)
+
+
+def test_the_shards_image_block_is_checked_without_a_vocabulary(tmp_path, capsys):
+    shards = fw.make_token_dir(tmp_path / "tokens")
+    manifest = json.loads((shards / "manifest.json").read_text())
+    manifest.update(image_offset=8, image_codes=64, bos_id=1, eos_id=2)  # as `shards tokenize` records the layout
+    (shards / "manifest.json").write_text(json.dumps(manifest))
+    err = _fit_error(fw.tiny_args(shards, tmp_path, 2, extra=["--model.config.image_offset=8",
+                                                              "--model.config.image_codes=32"]), capsys)
+    assert "model.config.image_codes=32" in err and "image_codes 64" in err and str(shards) in err
+    assert "set --model.config.image_offset 8 --model.config.image_codes 64" in err
+    err = _fit_error(fw.tiny_args(shards, tmp_path, 2), capsys)  # the preset has no image block at all
+    assert "no image block" in err and "set --model.config.image_offset 8 --model.config.image_codes 64" in err
+    assert main(fw.tiny_args(shards, tmp_path, 1, extra=["--model.config.image_offset=8",
+                                                         "--model.config.image_codes=64"])) == 0

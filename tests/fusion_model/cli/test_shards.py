@@ -1,4 +1,4 @@
-"""`python train.py shards write|tokenize|inspect` end to end on tiny inputs, and help for every option."""
+"""`python train.py shards write|tokenize|inspect|verify` end to end on tiny inputs, and help for every option."""
 
 from __future__ import annotations
 
@@ -56,6 +56,9 @@ def test_write_tokenize_inspect(tmp_path, capsys):
     assert cli.main(["shards", "inspect", str(tokens), "--show", "2", "--vocab", str(vocab_path)]) == 0
     out = capsys.readouterr().out
     assert "<image (4, 4)>" in out and "a gray square number" in out
+    assert "opened 2 shards, checksums match" in out
+    assert cli.main(["shards", "verify", str(tokens)]) == 0
+    assert "all 2 shards" in capsys.readouterr().out
     assert cli.main(["shards", "inspect", str(raw), "--show", "1"]) == 0
     assert "<image" in capsys.readouterr().out
 
@@ -93,3 +96,17 @@ def test_inspect_of_a_directory_without_a_manifest_or_with_a_broken_one(tmp_path
     (tmp_path / "manifest.json").write_text("{not json")
     assert cli.main(["shards", "inspect", str(tmp_path)]) == 2
     assert "train.py shards:" in capsys.readouterr().err
+
+
+def test_verify_of_a_damaged_directory_names_the_bad_shard_and_exits_2(tmp_path, capsys):
+    from data_shards.token_shards import write_manifest, write_token_shard
+
+    info = {"vocab_fingerprint": "v", "image_tokenizer_fingerprint": "none", "vocab_size": 100}
+    metas = [write_token_shard(tmp_path, f"s{i}", ["a", "b"], [[1, 2], [3, 4, 5]], info) for i in range(2)]
+    write_manifest(tmp_path, {**info, "pad_id": 0}, metas)
+    keys = tmp_path / "s1.keys.json"
+    keys.write_text(keys.read_text().replace('"b"', '"c"'))
+    assert cli.main(["shards", "verify", str(tmp_path)]) == 2
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("BAD s1:") and str(keys) in out[0] and "shards tokenize` into a fresh directory" in out[0]
+    assert out[1].startswith("1 of 2 shards") and len(out) == 2

@@ -94,3 +94,28 @@ def test_rng_states_round_trip_through_a_weights_only_file(tmp_path):
     again = (torch.rand(3), random.random(), random.gauss(0, 1), np.random.rand(2))
     assert torch.equal(expected[0], again[0]) and expected[1:3] == again[1:3]
     np.testing.assert_array_equal(expected[3], again[3])
+
+
+def test_the_next_save_removes_the_torn_file_of_a_killed_save_but_not_a_live_one(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    torn = tmp_path / f".last.ckpt.tmp-{dead.pid}"  # what a save killed mid-write leaves behind
+    torn.write_bytes(b"half a checkpoint")
+    odd = tmp_path / f".last.ckpt.tmp-{os.getpid()}-other"  # not a bare pid: never touched
+    odd.write_bytes(b"?")
+    live = tmp_path / f".last.ckpt.tmp-{os.getppid()}"  # a writer still running
+    live.write_bytes(b"being written")
+    AtomicCheckpointIO().save_checkpoint({"step": 2}, tmp_path / "last.ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["last.ckpt", odd.name, live.name])
+    assert load_checkpoint_file(tmp_path / "last.ckpt") == {"step": 2}
+
+
+def test_loading_a_truncated_checkpoint_names_an_earlier_complete_one(tmp_path):
+    atomic_torch_save({"step": 1}, tmp_path / "epoch=0-step=1.ckpt")
+    whole = (tmp_path / "epoch=0-step=1.ckpt").read_bytes()
+    (tmp_path / "last.ckpt").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(ValueError) as info:
+        AtomicCheckpointIO().load_checkpoint(tmp_path / "last.ckpt")
+    message = str(info.value)
+    assert "\n" not in message and f"checkpoint {tmp_path / 'last.ckpt'} could not be loaded" in message
+    assert f"--ckpt_path {tmp_path / 'epoch=0-step=1.ckpt'}" in message
