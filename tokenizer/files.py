@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -42,6 +43,29 @@ def _process_alive(pid: int) -> bool:
     return True
 
 
+_TEMPORARY = re.compile(r"^\.(?P<target>.+)\.tmp-(?P<pid>\d+)$")
+# Temporary files seen in each directory at this process's first atomic write there, by target name: listing the
+# directory once, not at every write, keeps writing thousands of shards into one directory linear.
+_seen_temporaries: dict[str, dict[str, list[Path]]] = {}
+
+
+def _remove_if_stale(candidate: Path) -> bool:
+    """Delete one `.<name>.tmp-<pid>` file if its writer is gone (never this process's or a live one's)."""
+    match = _TEMPORARY.match(candidate.name)
+    if match is None:
+        return False
+    pid = int(match["pid"])
+    if pid == os.getpid() or _process_alive(pid):
+        return False
+    try:
+        if candidate.is_file() and not candidate.is_symlink():
+            candidate.unlink()
+            return True
+    except OSError:
+        pass  # another writer cleaned it up first, or it is not ours to delete
+    return False
+
+
 def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:
     """Delete `.<name>.tmp-<pid>` files next to `path` left by writers that were killed; returns them.
 
@@ -50,23 +74,31 @@ def remove_stale_temporaries(path: str | os.PathLike) -> list[Path]:
     or this one) are kept.
     """
     path = Path(path)
-    prefix = f".{path.name}.tmp-"
-    removed = []
     try:
-        siblings = list(path.parent.iterdir())
+        siblings = sorted(path.parent.iterdir())
     except OSError:
-        return removed
-    for sibling in siblings:
-        pid = sibling.name[len(prefix) :] if sibling.name.startswith(prefix) else ""
-        if not pid.isdigit() or int(pid) == os.getpid() or _process_alive(int(pid)):
-            continue
+        return []
+    prefix = f".{path.name}.tmp-"
+    return [s for s in siblings if s.name.startswith(prefix) and _remove_if_stale(s)]
+
+
+def _remove_stale_seen_at_first_write(path: Path) -> None:
+    """remove_stale_temporaries for atomic writes, listing each directory once per process."""
+    directory = str(path.parent)
+    seen = _seen_temporaries.get(directory)
+    if seen is None:
+        seen = {}
         try:
-            if sibling.is_file() and not sibling.is_symlink():
-                sibling.unlink()
-                removed.append(sibling)
+            names = os.listdir(directory)
         except OSError:
-            pass  # another writer cleaned it up first, or it is not ours to delete
-    return removed
+            names = []
+        for name in names:
+            match = _TEMPORARY.match(name)
+            if match is not None:
+                seen.setdefault(match["target"], []).append(path.parent / name)
+        _seen_temporaries[directory] = seen
+    for candidate in seen.pop(path.name, []):
+        _remove_if_stale(candidate)
 
 
 @contextmanager
@@ -79,7 +111,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(path)
+    _remove_stale_seen_at_first_write(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         yield tmp
