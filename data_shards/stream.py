@@ -16,7 +16,9 @@ of leading rows of the epoch's permutation the whole job has consumed (ranks mov
 rows past it that some ranks already took (only after `merge_states` of unequal ranks). The new job deals
 the rows not yet consumed round-robin over its ranks; `len()` keeps its value for the new world size, and
 the position is renumbered as batch `len() - remaining batches` of the epoch, so every rank still gets the
-same number of batches and every row is read exactly once across the old and new runs.
+same number of batches and every row is read exactly once across the old and new runs. The loader reports
+the renumbering as `resume_shift` (new position - saved position) so a trainer that restored its own count
+of the epoch's batches can move it too (FusionLightningModule does, at the start of training).
 """
 
 from __future__ import annotations
@@ -290,13 +292,6 @@ class PackedTokenStream(IterableDataset):
         # keep it, so a resume under the same settings is the uninterrupted run bit for bit.
         plain = not rows_taken and start == min(first * per_batch, self.num_rows)
         self._resume = None if plain else (epoch, first, start, tuple(rows_taken))
-        if first < saved_batches:
-            warnings.warn(
-                f"the loader resumes epoch {epoch} at batch {first} of {len(self)} (saved at batch {saved_batches} "
-                "under a smaller world size x batch size); a trainer that restores its own count of the epoch's "
-                f"batches (Lightning) ends this epoch {saved_batches - first} batches early and skips their rows",
-                stacklevel=3,
-            )
         self.set_position(epoch, first)
 
     @staticmethod
@@ -386,7 +381,9 @@ class ResumableDataLoader(DataLoader):
     only when the length is unknown), so the saved count equals the batches trained on. Lightning does not
     call `set_epoch` on an IterableDataset; the epoch advances here on each new `iter()`. Only rank 0's
     state is saved; every rank loads it, which is right because all ranks have the same `len` and consume
-    in lock step. Caveat (Lightning issue 20550, reproduced here with 2.6): if `configure_optimizers` calls
+    in lock step. Under another world size x batch size the position is renumbered (`resume_shift`), and
+Lightning's restored count of the epoch's batches must move with it or the epoch ends early (growing job)
+or late (shrinking job): `align_batch_progress` in the training layer does that. Caveat (Lightning issue 20550, reproduced here with 2.6): if `configure_optimizers` calls
     `trainer.estimated_stepping_batches`, the train loader is set up before the checkpoint is restored,
     its state is silently dropped and the resumed run trains on the wrong batches; take the schedule
     horizon from `max_steps` (or `len(loader)`) instead.
@@ -397,6 +394,8 @@ class ResumableDataLoader(DataLoader):
             raise ValueError("persistent_workers would keep stale positions in the workers; leave it off")
         super().__init__(stream, batch_size=None, num_workers=num_workers, **kwargs)
         self._epoch, self._consumed, self._fresh = stream.epoch, 0, True
+        # batches the position moved when a state saved under another world size x batch size was loaded
+        self.resume_shift = 0
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next `iter()` start at the beginning of `epoch`."""
@@ -419,9 +418,11 @@ class ResumableDataLoader(DataLoader):
         return self.dataset.position_state(self._epoch, self._consumed)
 
     def load_state_dict(self, state: dict) -> None:
-        """Make the next `iter()` yield exactly the batches that followed `state`."""
+        """Make the next `iter()` yield exactly the batches that followed `state`; sets `resume_shift`."""
         self.dataset.load_state_dict(state)
         self._epoch, self._consumed, self._fresh = self.dataset.epoch, self.dataset._start_batch, True
+        same_epoch = self._epoch == int(state["epoch"])
+        self.resume_shift = self._consumed - int(state["batches_consumed"]) if same_epoch else 0
 
 
 def make_dataloader(stream: PackedTokenStream, num_workers: int = 0, **kwargs) -> ResumableDataLoader:

@@ -7,6 +7,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 
 from fusion_model.checkpoint import architecture_differences, checkpoint_config, load_model
 from fusion_model.config import FusionConfig, FusionConfigDict
@@ -19,6 +20,27 @@ NONFINITE_POLICIES = ("stop", "skip")
 
 class NonFiniteLossError(RuntimeError):
     """Training met a NaN/inf loss or gradient norm and `nonfinite='stop'`."""
+
+
+def align_batch_progress(trainer: L.Trainer) -> int:
+    """Move Lightning's restored count of the epoch's batches by the train loader's `resume_shift`; returns it.
+
+    A loader resumed under another world size x batch size renumbers its position (the rows left are
+    re-dealt over the new ranks). Lightning restored the old count and ends the epoch when that count
+    reaches `len(loader)`, so without this a job that grew would end its epoch early and skip rows.
+    """
+    loaders = trainer.train_dataloader
+    loaders = list(loaders.values()) if isinstance(loaders, dict) else loaders
+    loaders = list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+    shifts = {int(getattr(loader, "resume_shift", 0)) for loader in loaders}
+    shift = shifts.pop() if len(shifts) == 1 else 0
+    if shift:
+        current = trainer.fit_loop.epoch_loop.batch_progress.current
+        for field in ("ready", "started", "processed", "completed"):
+            setattr(current, field, max(0, getattr(current, field) + shift))
+        for loader in loaders:
+            loader.resume_shift = 0  # applied once
+    return shift
 
 
 class FusionLightningModule(L.LightningModule):
@@ -240,6 +262,14 @@ class FusionLightningModule(L.LightningModule):
         optimizer = build_adamw(self.model, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, weight_decay=hp.weight_decay)
         schedule = WarmupDecay(min(hp.warmup_steps, max(horizon - 1, 0)), horizon, hp.lr_schedule, hp.min_lr_ratio)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": build_scheduler(optimizer, schedule), "interval": "step"}}
+
+    def on_train_start(self) -> None:
+        """After a resume under another world size: continue the epoch's batch count where the loader is."""
+        shift = align_batch_progress(self.trainer)
+        if shift:
+            progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
+            rank_zero_info(f"resumed under another world size x batch size: the epoch continues at batch "
+                           f"{progress.ready} of {self.trainer.num_training_batches} (moved by {shift:+d})")
 
     # ---- checkpoint extras: RNG states of every rank, skipped-step count ----------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -28,9 +28,7 @@ def _run(tok, token_dir, world_size, counts, *, batch_size=2, state=None, worker
     for rank in range(world_size):
         loader = _loader(token_dir, rank, world_size, batch_size, workers)
         if state is not None:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # the Lightning note of a larger job
-                loader.load_state_dict(state)
+            loader.load_state_dict(state)
         it = iter(loader)
         count = 0
         while count != counts[rank] and (batch := next(it, None)) is not None:
@@ -80,10 +78,8 @@ def test_same_world_size_resume_from_the_new_state_is_bit_exact(tmp_path, tok):
     _, states, _, _ = _run(tok, token_dir, 2, [2, 2])
     # 2 -> 3 ranks: rank 1 of 3 runs the rest uninterrupted, and stopped after 2 batches and resumed
     whole, cut = _loader(token_dir, 1, 3), _loader(token_dir, 1, 3)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the Lightning note of a larger job
-        whole.load_state_dict(states[0])
-        cut.load_state_dict(states[0])
+    whole.load_state_dict(states[0])
+    cut.load_state_dict(states[0])
     assert cut.dataset._resume is not None, "8 rows consumed: not where 3 ranks x 2 rows would be, so re-dealt"
     reference = list(whole)
     it = iter(cut)
@@ -121,29 +117,43 @@ def test_unequal_counts_are_merged_from_every_rank_state(tmp_path, tok, new):
         PackedTokenStream.merge_states(states[:1])
 
 
-def test_a_larger_job_notes_that_lightning_would_end_the_epoch_early(tmp_path, tok):
+def test_the_loader_reports_how_far_its_position_moved(tmp_path, tok):
     token_dir = tok.make_token_dir(tmp_path / "tokens", tok.make_documents(90))
     _, states, _, _ = _run(tok, token_dir, 1, [8])
-    with pytest.warns(UserWarning, match="ends this epoch 4 batches early"):
-        _loader(token_dir, 0, 2).load_state_dict(states[0])
+    grown = _loader(token_dir, 0, 2)
+    grown.load_state_dict(states[0])
+    assert grown.resume_shift == -4, "8 batches of one rank are 4 batches of two"
+    same = _loader(token_dir, 0, 1)
+    same.load_state_dict(states[0])
+    assert same.resume_shift == 0
 
 
 @pytest.mark.filterwarnings("ignore:Your `IterableDataset` has `__len__`", "ignore:Be aware that when using `ckpt_path`")
-def test_lightning_resumes_the_epoch_of_two_ranks_on_one(tmp_path, tok):
-    """Rank 0 of a 2-rank job (simulated: the stream is told world_size=2) checkpoints after k steps; a 1-rank
-    fit resumes from it: Lightning (its batch count restored as k) trains exactly the rows no rank consumed,
-    ends the epoch when the loader does, and then runs a full plain epoch 1."""
+@pytest.mark.parametrize("old, new", [(2, 1), (1, 2)])
+def test_lightning_continues_the_epoch_under_another_world_size(tmp_path, tok, old, new):
+    """Rank 0 of an `old`-rank job (simulated: the stream is told the world size) checkpoints after k steps;
+    rank 0 of a `new`-rank job resumes from it. With align_batch_progress, Lightning's restored batch count
+    follows the loader: rank 0 trains exactly its share of the rows no rank consumed, the epoch ends with the
+    loader (not early when the job grew), batch_idx continues from the renumbered position, and epoch 1 is
+    the plain one."""
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from fusion_model.training.lightning_module import align_batch_progress
 
     class Recorder(L.LightningModule):
         def __init__(self):
             super().__init__()
             self.head = torch.nn.Linear(1, 1)
             self.seen: list[dict] = []
+            self.batch_indices: list[int] = []
+
+        def on_train_start(self):
+            align_batch_progress(self.trainer)
 
         def training_step(self, batch, batch_idx):
             self.seen.append(batch)
+            self.batch_indices.append(batch_idx)
             return self.head(batch["input_ids"][..., None].float()).mean()
 
         def configure_optimizers(self):
@@ -155,20 +165,26 @@ def test_lightning_resumes_the_epoch_of_two_ranks_on_one(tmp_path, tok):
 
     documents = tok.make_documents(90)
     token_dir = tok.make_token_dir(tmp_path / "tokens", documents)
-    k = 3
+    k = 5
     first = Recorder()
     checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=k, save_top_k=-1)
-    trainer(tmp_path / "a", max_steps=k, callbacks=[checkpoint]).fit(first, _loader(token_dir, 0, 2))
-    other_rank, _, _, _ = _run(tok, token_dir, 2, [0, k])  # what rank 1 trained on meanwhile
+    trainer(tmp_path / "a", max_steps=k, callbacks=[checkpoint]).fit(first, _loader(token_dir, 0, old))
     resumed = Recorder()
     trainer(tmp_path / "b", max_epochs=2, enable_checkpointing=False).fit(
-        resumed, _loader(token_dir, 0, 1), ckpt_path=tmp_path / "ckpt" / f"epoch=0-step={k}.ckpt")
-    one = _loader(token_dir, 0, 1)
-    length = len(one)
-    one.set_epoch(1)
-    epoch_1 = list(one)
-    rest = resumed.seen[: len(resumed.seen) - length]
-    assert len(rest) == -(-(one.dataset.num_rows - k * 2 * 2) // 2), "epoch 0 ends with the loader's remainder"
-    seen = sum((Counter(tok.rows_to_documents(b)) for b in first.seen + rest), other_rank)
-    assert seen == Counter(tuple(d) for d in documents), "epoch 0: every row once across both runs"
-    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(resumed.seen[len(rest):], epoch_1))
+        resumed, _loader(token_dir, 0, new), ckpt_path=tmp_path / "ckpt" / f"epoch=0-step={k}.ckpt")
+
+    plain = _loader(token_dir, 0, new)
+    length = len(plain)
+    rows_left = plain.dataset.num_rows - k * old * 2
+    remainder = -(-rows_left // (new * 2))
+    assert len(resumed.seen) == remainder + length, "the rest of epoch 0 (rank 0's share), then all of epoch 1"
+    assert resumed.batch_indices[:remainder] == list(range(length - remainder, length))
+    before, states, _, _ = _run(tok, token_dir, old, [k] * old)  # all old ranks' first k batches
+    assert before == sum((Counter(tok.rows_to_documents(b)) for b in first.seen), Counter()) + \
+        _run(tok, token_dir, old, [0] + [k] * (old - 1))[0], "rank 0 trained on its own first k batches"
+    others, _, _, _ = _run(tok, token_dir, new, [0] + [None] * (new - 1), state=states[0])  # other new ranks
+    seen = before + others + sum((Counter(tok.rows_to_documents(b)) for b in resumed.seen[:remainder]), Counter())
+    assert seen == Counter(tuple(d) for d in documents), "epoch 0: every row once across both jobs"
+    plain.set_epoch(1)
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(resumed.seen[remainder:], plain))
+
