@@ -27,13 +27,20 @@ from tokenizer.bpe import (
     train_bpe,
 )
 from tokenizer.files import atomic_path
+from tokenizer.specials import (  # noqa: F401 - part of this module's interface
+    BOI,
+    BOS,
+    DEFAULT_IMAGE_CODES,
+    DEFAULT_NUM_SPECIALS,
+    DEFAULT_VOCAB_SIZE,
+    EOI,
+    EOS,
+    IMAGE_PLACEHOLDER,
+    NAMED_SPECIALS,
+    PAD,
+    SEP,
+)
 
-PAD, BOS, EOS = "<pad>", "<s>", "</s>"
-BOI, EOI = "<racm3:break>", "<eoss>"  # Chameleon's begin-image / end-image names
-SEP = "<sep>"  # separator / end-of-turn (Chameleon calls its own `<reserved08706>`)
-IMAGE_PLACEHOLDER = "<image>"  # what transformers' ChameleonProcessor expands into image tokens
-NAMED_SPECIALS = (PAD, BOS, EOS, BOI, EOI, SEP, IMAGE_PLACEHOLDER)
-DEFAULT_VOCAB_SIZE, DEFAULT_IMAGE_CODES, DEFAULT_NUM_SPECIALS = 65_536, 8_192, 16
 IMAGE_PREFIX = "IMGIMG"
 _RESERVED = re.compile(r"<reserved_\d+>")
 _DIGITS_AS_LETTERS = str.maketrans("0123456789", "ABCDEFGHIJ")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import time
 import uuid
@@ -28,32 +27,7 @@ from fusion_model.demo.bookkeeping import (
     write_marker,
 )
 from fusion_model.demo.settings import DemoConfig, load_config
-
-
-def _cpu_times() -> tuple[int, int]:
-    """(idle, total) jiffies of all CPUs from /proc/stat (idle includes iowait)."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    return fields[3] + fields[4], sum(fields)
-
-
-def free_cores(window: float = 0.5) -> int:
-    """Cores other processes leave idle: oversubscribed intra-op threads spin and run many times slower.
-
-    Measured over `window` seconds from /proc/stat rather than from the load average, which lags by minutes
-    (right after setup or a previous job it would still count those as busy).
-    """
-    cores = os.cpu_count() or 1
-    try:
-        idle0, total0 = _cpu_times()
-        time.sleep(window)
-        idle1, total1 = _cpu_times()
-        idle = cores * (idle1 - idle0) / max(total1 - total0, 1)
-    except (OSError, ValueError, IndexError):  # no /proc (not Linux): fall back to the load average
-        try:
-            idle = cores - os.getloadavg()[0]
-        except OSError:
-            idle = cores
-    return max(1, min(cores, round(idle)))
+from tokenizer.threads import free_cores
 
 
 def run(config: DemoConfig, stages: list[str] | None = None, force: tuple[str, ...] = (),
