@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -90,6 +93,76 @@ def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: 
                              {**info, "images": images_done, "source": raw_path.name, "raw_sha256": raw_sha256})
 
 
+# How often, at most, a plain progress line is printed when stderr is a log file rather than a terminal.
+PROGRESS_EVERY_SECONDS = 30.0
+
+
+class TokenizeProgress:
+    """Progress of `pretokenize` in samples (documents), counted per finished shard: a tqdm bar on a terminal,
+    plain lines on stderr at most every `PROGRESS_EVERY_SECONDS` otherwise (a bar's carriage returns make a log
+    file unreadable), nothing when off. Rates and the ETA count only the samples tokenized in this run."""
+
+    def __init__(self, total_samples: int, total_shards: int, done_samples: int, done_shards: int, *,
+                 enabled: bool) -> None:
+        self.total_samples, self.total_shards = total_samples, total_shards
+        self.done_samples, self.done_shards = done_samples, done_shards
+        self._resumed_samples = done_samples
+        self._start = self._last = time.perf_counter()
+        self._printed = False
+        self._lines = enabled and not _stderr_is_terminal()
+        self._bar = tqdm(total=total_samples, initial=done_samples, desc="tokenize", unit="sample",
+                         disable=not enabled or self._lines)
+        self._bar.set_postfix_str(self._shards(), refresh=False)
+        if self._lines:
+            resumed = f" ({done_shards} shards, {done_samples:,} samples already done)" if done_shards else ""
+            self._write(f"tokenize: {total_shards} shards, {total_samples:,} samples{resumed}")
+
+    def shard_done(self, samples: int) -> None:
+        """Count a finished shard of `samples` documents; print a line when due (the first one at once)."""
+        self.done_samples += samples
+        self.done_shards += 1
+        self._bar.set_postfix_str(self._shards(), refresh=False)
+        self._bar.update(samples)
+        now = time.perf_counter()
+        if self._lines and self.done_shards < self.total_shards and (
+                not self._printed or now - self._last >= PROGRESS_EVERY_SECONDS):
+            self._write(self._line(now, final=False))
+            self._last, self._printed = now, True
+
+    def close(self) -> None:
+        """Close the bar, or print the last line."""
+        self._bar.close()
+        if self._lines:
+            self._write(self._line(time.perf_counter(), final=True))
+
+    def _shards(self) -> str:
+        return f"{self.done_shards} of {self.total_shards} shards"
+
+    def _line(self, now: float, *, final: bool) -> str:
+        elapsed = now - self._start
+        rate = (self.done_samples - self._resumed_samples) / max(elapsed, 1e-9)
+        percent = 100 * self.done_samples / self.total_samples if self.total_samples else 100.0
+        parts = [f"tokenize: {self.done_samples:,}/{self.total_samples:,} samples ({percent:.0f}%)",
+                 f"{rate:,.1f} samples/s", self._shards()]
+        if final:
+            parts.append(f"{timedelta(seconds=int(elapsed))} elapsed")
+        elif rate > 0:
+            left = max(self.total_samples - self.done_samples, 0) / rate
+            parts.append(f"ETA {timedelta(seconds=int(left))}")
+        return " | ".join(parts)
+
+    @staticmethod
+    def _write(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _stderr_is_terminal() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without isatty, or closed
+        return False
+
+
 _WORKER: dict = {}
 
 
@@ -116,6 +189,7 @@ def pretokenize(
     progress: bool = True,
 ) -> dict:
     """Turn every raw shard of `raw_dir` into a token shard in `out_dir`; returns the written manifest.
+    `progress`: samples done, samples/s and ETA on stderr (`TokenizeProgress`).
 
     Finished shards (same raw tar bytes by sha256, vocabulary, image tokenizer, flip probability and seed)
     are skipped, so an interrupted run resumes; a shard whose raw tar changed is tokenized again. Each
@@ -154,13 +228,14 @@ def pretokenize(
         if meta is not None:  # stale: made from other raw bytes (or before raw hashes were recorded)
             (out_dir / f"{name}.meta.json").unlink()  # the shard counts as unfinished until rewritten
         todo.append((raw_dir / shard["name"], raw_sha256))
-    bar = tqdm(total=len(raw_manifest["shards"]), initial=len(metas), desc="tokenize", unit="shard",
-               disable=not progress)
+    bar = TokenizeProgress(sum(int(shard.get("documents", 0)) for shard in raw_manifest["shards"]),
+                           len(raw_manifest["shards"]), sum(int(meta["documents"]) for meta in metas.values()),
+                           len(metas), enabled=progress)
     if num_workers <= 1 or len(todo) <= 1:
         for path, raw_sha256 in todo:
             meta = tokenize_shard(path, out_dir, vocab, image_tokenizer, info, batch_size, raw_sha256)
             metas[meta["name"]] = meta
-            bar.update()
+            bar.shard_done(int(meta["documents"]))
     else:
         # never fork: torch has started its OpenMP threads by now, and a forked child can deadlock in its first
         # matmul. forkserver forks each worker from a clean server process (torch imported once there);
@@ -171,10 +246,10 @@ def pretokenize(
                                  initargs=(vocab, image_tokenizer)) as pool:
             futures = [pool.submit(_run_in_worker, path, out_dir, info, batch_size, raw_sha256)
                        for path, raw_sha256 in todo]
-            for future in futures:
+            for future in as_completed(futures):  # the progress counts shards as they finish
                 meta = future.result()
                 metas[meta["name"]] = meta
-                bar.update()
+                bar.shard_done(int(meta["documents"]))
     bar.close()
     header = {
         **{k: info[k] for k in ("vocab_fingerprint", "image_tokenizer_fingerprint", "vocab_size")},

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -47,6 +48,26 @@ _TEMPORARY = re.compile(r"^\.(?P<target>.+)\.tmp-(?P<pid>\d+)$")
 # Temporary files seen in each directory at this process's first atomic write there, by target name: listing the
 # directory once, not at every write, keeps writing thousands of shards into one directory linear.
 _seen_temporaries: dict[str, dict[str, list[Path]]] = {}
+
+
+# The permission bits a plain open() gives a new file in this process (0o666 less the umask); read once.
+_cached_new_file_mode: int | None = None
+
+
+def _new_file_mode(directory: str | os.PathLike) -> int:
+    """The mode open() would give a new file: 0o666 less the umask. Read once per process from a probe file in
+    `directory`, since os.umask can only be read by setting it, which races with threads creating files."""
+    global _cached_new_file_mode
+    if _cached_new_file_mode is None:
+        probe = Path(directory) / f".mode-probe.tmp-{os.getpid()}"
+        probe.unlink(missing_ok=True)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            _cached_new_file_mode = stat.S_IMODE(os.fstat(fd).st_mode)
+        finally:
+            os.close(fd)
+            probe.unlink(missing_ok=True)
+    return _cached_new_file_mode
 
 
 def _remove_if_stale(candidate: Path) -> bool:
@@ -115,6 +136,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         yield tmp
+        # some writers create their file 0600 (safetensors does): give it the mode a plain open() would
+        os.chmod(tmp, _new_file_mode(path.parent))
         _fsync_file(tmp)  # the bytes are on disk before the rename makes them visible
         os.replace(tmp, path)
     finally:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
 
@@ -28,6 +29,16 @@ BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (
 # each maps a shared flag onto its own option (see `translate_shared_flags`).
 FIT_SHARED_FLAGS = {"--checkpoint": "--ckpt_path", "--vocab": "--data.vocab", "--image-tokenizer": "--data.image_tokenizer"}
 TOKENIZER_SHARED_FLAGS = {"--checkpoint": "--ckpt_path"}
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each option's default, except uninformative ones (None, a switch's False, a repeatable
+    option's empty list): those help lines say what leaving the option out means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def usage() -> str:

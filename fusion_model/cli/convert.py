@@ -6,15 +6,16 @@ import argparse
 import tempfile
 from pathlib import Path
 
-import torch
+from fusion_model.cli import DefaultsHelpFormatter
 
-from fusion_model.checkpoint import load_model, save_model
-from fusion_model.hf_convert import DTYPES, IMAGE_TOKENIZER_FOLDER, from_transformers, to_transformers
-from tokenizer.files import replace_directory
+# The keys of fusion_model.hf_convert.DTYPES, named here so that `--help` needs no torch import (a test keeps
+# the two equal).
+DTYPE_NAMES = ("bfloat16", "float32")
 
 
 def _load_hf(source: str):
     """(ChameleonForConditionalGeneration in float32, whether its VQ encoder weights were all in the folder)."""
+    import torch
     from transformers import ChameleonForConditionalGeneration
 
     if not (Path(source) / "config.json").is_file():
@@ -26,6 +27,9 @@ def _load_hf(source: str):
 
 def import_transformers(source: str, output: str) -> Path:
     """transformers Chameleon directory -> our checkpoint file."""
+    from fusion_model.checkpoint import save_model
+    from fusion_model.hf_convert import from_transformers
+
     hf_model, _ = _load_hf(source)
     return save_model(from_transformers(hf_model), output)
 
@@ -34,7 +38,10 @@ def import_folder(source: str, output: str) -> list[str]:
     """transformers Chameleon directory -> a folder with what `train.py fit` takes: model.ckpt, tokenizer.json
     (when the folder's tokenizer has our layout) and image_tokenizer/ (from the side folder of our export, or
     from a trained model.vqmodel); returns one line per file written or skipped."""
+    from fusion_model.checkpoint import save_model
+    from fusion_model.hf_convert import IMAGE_TOKENIZER_FOLDER, from_transformers
     from tokenizer.compat import check_compatible
+    from tokenizer.files import replace_directory
     from tokenizer.image import ImageTokenizer
     from tokenizer.vocab import UnifiedVocab
 
@@ -72,6 +79,9 @@ def export_transformers(
 ) -> Path:
     """Our checkpoint -> transformers Chameleon directory: weights and config, and with --vocab the tokenizer,
     generation_config.json and (with an image tokenizer) the processor files."""
+    from fusion_model.checkpoint import load_model
+    from fusion_model.hf_convert import DTYPES, to_transformers
+
     model = load_model(checkpoint)
     tokenizer = None
     if image_tokenizer is not None:
@@ -84,6 +94,8 @@ def export_transformers(
 
 def export_summary(directory: Path) -> list[str]:
     """What an export holds and how to load it, one line each."""
+    from fusion_model.hf_convert import IMAGE_TOKENIZER_FOLDER
+
     lines = [f"convert: wrote {directory} (ChameleonForConditionalGeneration.from_pretrained loads it)"]
     if (directory / "processor_config.json").is_file():
         lines.append("convert: AutoProcessor.from_pretrained loads its tokenizer and image processor")
@@ -100,13 +112,15 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="train.py convert", description=__doc__)
     sub = p.add_subparsers(dest="direction", required=True)
     imp = sub.add_parser("import", help="transformers Chameleon directory -> fusion checkpoint (.ckpt)",
-                         description="transformers Chameleon directory -> fusion checkpoint (.ckpt)")
+                         description="transformers Chameleon directory -> fusion checkpoint (.ckpt)",
+                         formatter_class=DefaultsHelpFormatter)
     imp.add_argument("source", metavar="HF_DIR", help="local directory with config.json + safetensors")
     imp.add_argument("--out", required=True, metavar="CKPT|DIR",
                      help="a .ckpt file to write the decoder to, or a folder for model.ckpt, tokenizer.json "
                           "(when the folder's tokenizer has this project's layout) and image_tokenizer/")
     exp = sub.add_parser("export", help="fusion checkpoint (.ckpt) -> transformers Chameleon directory",
-                         description="fusion checkpoint (.ckpt) -> transformers Chameleon directory")
+                         description="fusion checkpoint (.ckpt) -> transformers Chameleon directory",
+                         formatter_class=DefaultsHelpFormatter)
     exp.add_argument("--checkpoint", required=True, metavar="CKPT",
                      help="Lightning checkpoint written by `train.py fit` (or by `convert import`)")
     exp.add_argument("--out", required=True, metavar="DIR", help="directory to write")
@@ -117,7 +131,7 @@ def parser() -> argparse.ArgumentParser:
                      help="image tokenizer directory: a Chameleon-layout one becomes model.vqmodel, another "
                           "(the 'improved' quantizer) is copied to OUT/image_tokenizer/; sets the processor's "
                           "image size and image_seq_length")
-    exp.add_argument("--dtype", choices=sorted(DTYPES), help="dtype of the exported weights (default: the checkpoint's)")
+    exp.add_argument("--dtype", choices=DTYPE_NAMES, help="dtype of the exported weights (default: the checkpoint's)")
     return p
 
 

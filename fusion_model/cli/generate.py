@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from fusion_model.checkpoint import load_model
+from fusion_model.cli import DefaultsHelpFormatter
 from fusion_model.generation import generate
 from fusion_model.sample_output import write_samples
 from fusion_model.sampling import MODES, SamplingConfig
@@ -44,13 +45,6 @@ FLAG_NAMES = {"stop_at_eos": "--no-eos-stop", "use_kv_cache": "--no-kv-cache"}
 CHOICES: dict[str, tuple[str, ...]] = {"mode": MODES}
 COMMAND_DEFAULTS: dict[str, Any] = {"seed": 0}  # a fixed seed: the same command writes the same samples
 NOT_OPTIONS = {"image_grid"}  # taken from --image-tokenizer
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows defaults, except None (those help lines say what an unset option means)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        return action.help if action.default is None else super()._get_help_string(action)
 
 
 def _option_type(hint: Any) -> Any:
@@ -112,7 +106,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="train.py generate",
         description=__doc__,
-        formatter_class=_HelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
         epilog="Example: python train.py generate --checkpoint runs/fit/last.ckpt --vocab runs/vocab/tokenizer.json "
         "--image-tokenizer runs/tokenizer/export --prompt 'a photo of a seven' --mode image --cfg-scale 1.5",
     )
@@ -217,9 +211,53 @@ def run(args: argparse.Namespace) -> dict[str, Path]:
     return write_samples(args.out, samples, prompts=prompts, ids=ids, settings=settings, title="train.py generate")
 
 
+def _printable(text: str) -> str:
+    """Control characters (an untrained model's bytes: carriage returns, escapes) written as `\\x0d`, so they
+    cannot garble a terminal or a log; newlines and tabs stay."""
+    return "".join(ch if ch.isprintable() or ch in "\n\t" else ascii(ch)[1:-1] for ch in text)
+
+
+def _segments_text(entries: list[dict], out_dir: Path, max_chars: int) -> str:
+    """Segments as one string: text as is, images as `<image: path>`; text past `max_chars` is cut (with a note)
+    but every image marker is kept, so each written file's path is shown."""
+    parts, left, cut = [], max_chars, 0
+    for entry in entries:
+        if "text" in entry:
+            text = _printable(entry["text"])
+            parts.append(text[:left] + ("…" if 0 < left < len(text) else ""))
+            cut += max(len(text) - left, 0)
+            left = max(left - len(text), 0)
+        else:
+            parts.append(f"<image: {entry.get('source') or out_dir / entry['image']}>")
+    joined = "".join(parts) or "(nothing)"
+    return joined + (f" [{cut:,} more characters in samples.json]" if cut else "")
+
+
+def describe_samples(json_path: str | Path, max_chars: int = 500) -> str:
+    """What `samples.json` holds, for the terminal or a log: per sample its prompt and generated text (images as
+    `<image: path>`, each text cut to `max_chars`), then the number of image files written."""
+    json_path = Path(json_path)
+    out_dir = json_path.parent
+    samples = json.loads(json_path.read_text())["samples"]
+    lines, images = [], 0
+    for number, sample in enumerate(samples, start=1):
+        label = f"[{number}/{len(samples)}]"
+        indent = " " * (len(label) + 1)
+        if "prompt" in sample:
+            prompt = _segments_text(sample["prompt"], out_dir, max_chars)
+            lines.append(f"{label} prompt: {prompt}".replace("\n", "\n" + indent))
+            label = indent[:-1]
+        output = _segments_text(sample["output"], out_dir, max_chars)
+        lines.append(f"{label} output: {output}".replace("\n", "\n" + indent))
+        images += sum("image" in entry for entry in sample["output"])
+    lines.append(f"generate: {len(samples)} samples, {images} generated image files in {out_dir}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point for `python train.py generate ...`; bad input raises ValueError (exit code 2 in `train.py`)."""
     args = parser().parse_args(argv)
     paths = run(args)
+    print(describe_samples(paths["json"]))
     print(f"generate: wrote {paths['html']} and {paths['json']}")
     return 0

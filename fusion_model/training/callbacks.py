@@ -1,12 +1,16 @@
-"""Training callbacks: tokens/s and MFU logging per optimizer step, and periodic sample writing."""
+"""Training callbacks: throughput and MFU, sample writing, a time budget, plain-text progress lines."""
 
 from __future__ import annotations
 
+import sys
 import time
+from datetime import timedelta
 from pathlib import Path
+from typing import TextIO
 
 import lightning as L
 import torch
+from lightning.pytorch.callbacks import Timer
 
 from fusion_model.flops import matmul_peak_flops, sync
 
@@ -179,3 +183,145 @@ class TimeBudget(L.Callback):
             for schedule in getattr(config.scheduler, "lr_lambdas", []):
                 if hasattr(schedule, "decay_steps"):
                     schedule.decay_steps = horizon
+
+
+def stdout_is_terminal() -> bool:
+    """Whether stdout is an interactive terminal (a progress bar reads well), not a log file or a pipe."""
+    try:
+        return sys.stdout is not None and sys.stdout.isatty()
+    except (AttributeError, ValueError):  # replaced by an object without isatty, or already closed
+        return False
+
+
+def _first_tensor(batch) -> torch.Tensor | None:
+    """The first tensor in a batch that is a tensor, or a dict / list / tuple holding tensors."""
+    if isinstance(batch, torch.Tensor):
+        return batch
+    items = batch.values() if isinstance(batch, dict) else batch if isinstance(batch, (list, tuple)) else ()
+    for item in items:
+        found = _first_tensor(item)
+        if found is not None:
+            return found
+    return None
+
+
+def _batch_items(batch) -> tuple[int, str]:
+    """(count, unit) for throughput: tokens of `input_ids` when the batch has them, else its samples."""
+    if isinstance(batch, dict) and isinstance(batch.get("input_ids"), torch.Tensor):
+        return batch["input_ids"].numel(), "tok/s"
+    first = _first_tensor(batch)
+    return (int(first.shape[0]) if first is not None and first.dim() else 0), "samples/s"
+
+
+def _duration(seconds: float) -> str:
+    """H:MM:SS, whole seconds."""
+    return str(timedelta(seconds=int(max(seconds, 0.0))))
+
+
+def _rate(per_second: float) -> str:
+    """Thousands separated for large rates, three digits for small ones (3.47 images/s)."""
+    return f"{per_second:,.0f}" if per_second >= 100 else f"{per_second:.3g}"
+
+
+class PlainTextProgress(L.Callback):
+    """Prints one plain-text progress line on global rank 0, at the first step, then at most every
+    `every_seconds`, and a last one when training ends, to stdout (or `stream`), flushed:
+
+        step 120/2000 (6%) | epoch 0 | loss 3.214 | 1,234 tok/s | lr 2.0e-03 | 0:01:05 elapsed | ETA 0:17:02
+
+    For output that goes to a log file (a cluster job, nohup), where a progress bar's carriage returns and
+    colours arrive as minutes of silence and then garbage. The total is read at every line, so a horizon that
+    `TimeBudget` changes shows up; without max_steps the ETA is the time left of `trainer.max_time`.
+    Throughput counts `input_ids` tokens of all ranks, or samples (first tensor's batch size) without them.
+    """
+
+    def __init__(self, every_seconds: float = 30.0, stream: TextIO | None = None) -> None:
+        super().__init__()
+        if every_seconds < 0:
+            raise ValueError(f"PlainTextProgress: every_seconds must be >= 0, got {every_seconds}")
+        self.every_seconds, self.stream = every_seconds, stream
+        self._start = 0.0
+        self._start_step = 0
+        self._items = 0  # tokens (or samples) of all ranks since the start of training
+        self._unit = "tok/s"
+        self._last: tuple[float, int] | None = None  # (time, items) at the last line
+        self._first: tuple[float, int] | None = None  # (time, step) at the first line: steady-rate baseline
+        self._last_step = -1
+        self._epoch = 0
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Start the clock (a resumed run counts from its own start)."""
+        self._start, self._start_step = time.perf_counter(), trainer.global_step
+        self._items, self._last, self._first, self._last_step = 0, None, None, -1
+        self._epoch = trainer.current_epoch
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx: int) -> None:
+        """Count the batch; after an optimizer step, print a line when the interval has passed."""
+        if not trainer.is_global_zero:
+            return
+        self._epoch = trainer.current_epoch  # at the end Lightning has counted a cut-off epoch as finished
+        count, self._unit = _batch_items(batch)
+        self._items += count * trainer.world_size
+        step, now = trainer.global_step, time.perf_counter()
+        if step == self._last_step or step == self._start_step:
+            return  # still accumulating micro-batches of this optimizer step
+        if self._last is not None and now - self._last[0] < self.every_seconds:
+            return
+        since_time, since_items = self._last or (self._start, 0)
+        throughput = (self._items - since_items) / max(now - since_time, 1e-9)
+        self._write(self._line(trainer, now, throughput, with_eta=True))
+        self._last, self._last_step = (now, self._items), step
+        if self._first is None:
+            self._first = (now, step)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """The last line: where training stopped, with the average throughput of the run."""
+        if trainer.is_global_zero:
+            now = time.perf_counter()
+            throughput = self._items / max(now - self._start, 1e-9)
+            self._write("done: " + self._line(trainer, now, throughput, with_eta=False))
+
+    def _line(self, trainer: L.Trainer, now: float, throughput: float, *, with_eta: bool) -> str:
+        step, total = trainer.global_step, self._total_steps(trainer)
+        parts = [f"step {step:,}/{total:,} ({100 * step / total:.0f}%)" if total else f"step {step:,}",
+                 f"epoch {self._epoch}"]
+        metrics = trainer.callback_metrics
+        loss = metrics.get("train/loss", metrics.get("loss"))
+        if loss is not None:
+            parts.append(f"loss {float(loss):.4g}")
+        if "train/psnr" in metrics:  # the image tokenizer's loss mixes terms; its PSNR is what users follow
+            parts.append(f"psnr {float(metrics['train/psnr']):.2f} dB")
+        if self._items:
+            parts.append(f"{_rate(throughput)} {self._unit}")
+        if trainer.optimizers:
+            parts.append(f"lr {trainer.optimizers[0].param_groups[0]['lr']:.1e}")
+        parts.append(f"{_duration(now - self._start)} elapsed")
+        eta = self._eta(trainer, now, step, total) if with_eta else None
+        if eta is not None:
+            parts.append(f"ETA {_duration(eta)}")
+        return " | ".join(parts)
+
+    @staticmethod
+    def _total_steps(trainer: L.Trainer) -> int | None:
+        """The step horizon as the loop sees it now (TimeBudget moves the epoch loop's), None when unbounded."""
+        total = getattr(getattr(trainer.fit_loop, "epoch_loop", None), "max_steps", None)
+        if total is None or total < 0:
+            total = trainer.max_steps
+        return total if total is not None and total > 0 else None
+
+    def _eta(self, trainer: L.Trainer, now: float, step: int, total: int | None) -> float | None:
+        """Seconds left: steps left at the steady step rate, capped by what is left of `trainer.max_time`."""
+        estimates = []
+        if total is not None:
+            since_time, since_step = self._first if self._first and step > self._first[1] else (
+                self._start, self._start_step)
+            if step > since_step:
+                estimates.append(max(total - step, 0) * (now - since_time) / (step - since_step))
+        for callback in trainer.callbacks:
+            if isinstance(callback, Timer) and callback.time_remaining() is not None:
+                estimates.append(max(callback.time_remaining(), 0.0))
+        return min(estimates) if estimates else None
+
+    def _write(self, line: str) -> None:
+        stream = self.stream or sys.stdout
+        print(line, file=stream, flush=True)

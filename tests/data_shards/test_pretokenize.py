@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
+from data_shards import pretokenize as pretokenize_module
 from data_shards.pretokenize import flip_pair, pretokenize
 from data_shards.raw import RawShardWriter, ShardError
 from data_shards.stream import PackedTokenStream
@@ -185,3 +188,30 @@ def test_the_manifest_carries_the_vocabulary_layout(tmp_path, vocab, image_token
     assert layout == {"vocab_size": vocab.vocab_size, "image_offset": vocab.image_offset, "image_codes": 512,
                       "pad_id": vocab.pad_id, "bos_id": vocab.bos_id, "eos_id": vocab.eos_id}
     assert read_manifest(tmp_path / "tok") == manifest
+
+
+def test_progress_in_a_log_is_plain_lines_counting_samples(tmp_path, vocab, image_tokenizer, raw_dir, capsys,
+                                                            monkeypatch):
+    # under pytest stderr is captured, not a terminal: the log-file form
+    monkeypatch.setattr(pretokenize_module, "PROGRESS_EVERY_SECONDS", 1e9)
+    pretokenize(raw_dir, tmp_path / "tok", vocab, image_tokenizer)
+    err = capsys.readouterr().err
+    assert "\r" not in err and "\x1b" not in err
+    lines = err.splitlines()
+    assert len(lines) == 3
+    assert lines[0] == "tokenize: 4 shards, 10 samples"
+    assert re.fullmatch(r"tokenize: 3/10 samples \(30%\) \| [\d,.]+ samples/s \| 1 of 4 shards \| ETA \d+:\d\d:\d\d",
+                        lines[1])
+    assert re.fullmatch(r"tokenize: 10/10 samples \(100%\) \| [\d,.]+ samples/s \| 4 of 4 shards \| "
+                        r"\d+:\d\d:\d\d elapsed", lines[2])
+    # a resumed run counts the finished shards' samples as done and prints a line per shard when due
+    (tmp_path / "tok" / "shard-000000.meta.json").unlink()
+    (tmp_path / "tok" / "shard-000001.meta.json").unlink()
+    monkeypatch.setattr(pretokenize_module, "PROGRESS_EVERY_SECONDS", 0.0)
+    pretokenize(raw_dir, tmp_path / "tok", vocab, image_tokenizer)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == "tokenize: 4 shards, 10 samples (2 shards, 4 samples already done)"
+    assert [line.split(" | ")[0] for line in lines[1:]] == ["tokenize: 7/10 samples (70%)",
+                                                            "tokenize: 10/10 samples (100%)"]
+    pretokenize(raw_dir, tmp_path / "tok", vocab, image_tokenizer, progress=False)
+    assert capsys.readouterr().err == ""

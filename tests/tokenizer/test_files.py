@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from tokenizer import files
 from tokenizer.files import (
     atomic_open,
     atomic_path,
@@ -190,3 +191,21 @@ def test_remove_stale_temporaries_keeps_this_process_file(tmp_path):
     (tmp_path / ".weights.bin.tmp-notapid").write_bytes(b"?")
     assert remove_stale_temporaries(target) == [stale]
     assert mine.exists() and (tmp_path / ".weights.bin.tmp-notapid").exists()
+
+
+@pytest.mark.skipif(os.name != "posix", reason="permission bits and umask are POSIX")
+@pytest.mark.parametrize(("umask", "expected"), [(0o022, 0o644), (0o077, 0o600), (0o002, 0o664)])
+def test_written_files_get_the_mode_a_plain_open_gives(tmp_path, monkeypatch, umask, expected):
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(files, "_cached_new_file_mode", None)  # the mode is read once per process
+    previous = os.umask(umask)
+    try:
+        with atomic_path(tmp_path / "model.safetensors") as tmp:
+            save_file({"weight": torch.zeros(2)}, str(tmp))  # safetensors creates its file 0600
+        atomic_write_json(tmp_path / "config.json", {"a": 1})
+    finally:
+        os.umask(previous)
+    assert oct((tmp_path / "model.safetensors").stat().st_mode & 0o777) == oct(expected)
+    assert oct((tmp_path / "config.json").stat().st_mode & 0o777) == oct(expected)
+    assert _names(tmp_path) == ["config.json", "model.safetensors"]  # no probe or temporary left

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import typing
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from PIL import Image
 
 from fusion_model import cli
 from fusion_model.checkpoint import save_model
-from fusion_model.cli.generate import add_sampling_options, main, parser, sampling_config
+from fusion_model.cli.generate import add_sampling_options, describe_samples, main, parser, sampling_config
 from fusion_model.config import FusionConfig
 from fusion_model.model import FusionModel
 from fusion_model.sampling import SamplingConfig
@@ -150,3 +151,33 @@ def test_a_transformers_export_loads_with_its_bundled_tokenizer_and_samples_the_
                  "--out", str(tmp_path / "b")] + common) == 0
     ids = [json.loads((tmp_path / d / "samples.json").read_text())["samples"][0]["ids"] for d in ("a", "b")]
     assert ids[0] == ids[1] and len(ids[0]) > 0
+
+
+def test_generate_prints_each_prompt_its_text_and_the_images_it_wrote(files, tmp_path, capsys):
+    common = ["--checkpoint", str(files / "model.ckpt"), "--vocab", str(files / "tokenizer.json"),
+              "--image-tokenizer", str(files / "vq"), "--prompt", "the cat"]
+    out = tmp_path / "text"
+    assert main(common + ["--mode", "text", "--max-new-tokens", "6", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    (sample,) = json.loads((out / "samples.json").read_text())["samples"]
+    (generated,) = [entry["text"] for entry in sample["output"]]
+    escaped = "".join(ch if ch.isprintable() or ch in "\n\t" else ascii(ch)[1:-1] for ch in generated)
+    assert generated.strip() and f"[1/1] prompt: the cat\n      output: {escaped}\n" in printed
+    assert all(ch.isprintable() or ch in "\n\t" for ch in printed)  # no \r or escape sequence reaches a log
+    out = tmp_path / "images"
+    assert main(common + ["--image", str(files / "photo.png"), "--mode", "image", "--num-samples", "2",
+                          "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    shown = [line.split("<image: ")[1].rstrip(">") for line in printed.splitlines() if "output: <image: " in line]
+    assert len(shown) == 2 and all(Path(path).is_file() for path in shown)
+    assert {Path(path).parent for path in shown} == {out}
+    assert f"prompt: the cat<image: {files / 'photo.png'}>" in printed
+    assert f"2 samples, 2 generated image files in {out}" in printed
+
+
+def test_long_texts_are_cut_in_the_summary_but_every_image_is_listed(tmp_path):
+    body = {"samples": [{"index": 0, "output": [{"text": "a" * 30}, {"image": "sample_000_image_0.png"},
+                                                 {"text": "b" * 30}]}]}
+    (tmp_path / "samples.json").write_text(json.dumps(body))
+    summary = describe_samples(tmp_path / "samples.json", max_chars=40)
+    assert f"output: {'a' * 30}<image: {tmp_path / 'sample_000_image_0.png'}>{'b' * 10}… [20 more characters" in summary

@@ -1,14 +1,18 @@
-"""TimeBudget: the lr decay and max_steps fitted to a wall-clock budget from the measured step rate."""
+"""TimeBudget: the lr decay and max_steps fitted to a wall-clock budget from the measured step rate;
+PlainTextProgress: plain progress lines for log files."""
 
 from __future__ import annotations
 
+import io
+import re
 from types import SimpleNamespace
 
+import lightning as L
 import pytest
 import torch
 
 from fusion_model.training import callbacks
-from fusion_model.training.callbacks import TimeBudget
+from fusion_model.training.callbacks import PlainTextProgress, TimeBudget, stdout_is_terminal
 from fusion_model.training.optim import WarmupDecay, build_scheduler
 
 
@@ -87,3 +91,75 @@ def test_a_resumed_run_keeps_its_horizon(monkeypatch):
 def test_measuring_needs_steps_after_the_skipped_ones():
     with pytest.raises(ValueError, match="measure_steps"):
         TimeBudget(minutes=1, measure_steps=5, skip_steps=5)
+
+
+class SquareModule(L.LightningModule):
+    """Minimises (w - 2)^2 with SGD, logging `train/loss` and remembering each value it logged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(()))
+        self.losses: list[float] = []
+
+    def training_step(self, batch, batch_idx: int) -> torch.Tensor:
+        loss = (self.weight - 2.0) ** 2
+        self.losses.append(loss.item())
+        self.log("train/loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def run_with_progress(progress: PlainTextProgress, batches, **trainer_options) -> SquareModule:
+    torch.set_num_threads(1)
+    module = SquareModule()
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[progress], **trainer_options)
+    trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=2))
+    return module
+
+
+def token_batches(count: int) -> list[dict]:
+    return [{"input_ids": torch.zeros(8, dtype=torch.long)} for _ in range(count)]
+
+
+def test_progress_prints_a_plain_line_per_step_with_its_loss():
+    stream = io.StringIO()
+    module = run_with_progress(PlainTextProgress(every_seconds=0, stream=stream), token_batches(16), max_steps=4)
+    text = stream.getvalue()
+    assert "\r" not in text and "\x1b" not in text
+    lines = text.splitlines()
+    assert len(lines) == 5
+    for step, line in enumerate(lines[:4], start=1):
+        assert line.startswith(f"step {step}/4 ({25 * step}%) | epoch 0 | loss {module.losses[step - 1]:.4g} | ")
+        assert re.search(r"\| [\d.,e+]+ tok/s \| lr 1\.0e-01 \| \d+:\d\d:\d\d elapsed \| ETA \d+:\d\d:\d\d$", line)
+    assert module.losses[:2] == pytest.approx([4.0, 2.56])
+    assert lines[4].startswith(f"done: step 4/4 (100%) | epoch 0 | loss {module.losses[3]:.4g} | ")
+    assert "ETA" not in lines[4]
+
+
+def test_progress_with_a_long_interval_prints_the_first_and_the_last_line():
+    stream = io.StringIO()
+    run_with_progress(PlainTextProgress(every_seconds=3600, stream=stream), token_batches(16), max_steps=6)
+    lines = stream.getvalue().splitlines()
+    assert [line.split(" | ")[0] for line in lines] == ["step 1/6 (17%)", "done: step 6/6 (100%)"]
+
+
+def test_progress_without_max_steps_counts_samples_and_takes_the_eta_from_max_time():
+    stream = io.StringIO()
+    images = [torch.zeros(3, 4, 4) for _ in range(6)]
+    run_with_progress(PlainTextProgress(every_seconds=0, stream=stream), images, max_epochs=1,
+                      max_time={"minutes": 10})
+    lines = stream.getvalue().splitlines()
+    assert [line.split(" | ")[0] for line in lines] == ["step 1", "step 2", "step 3", "done: step 3"]
+    assert "samples/s" in lines[0] and "tok/s" not in lines[0]
+    hours, minutes, seconds = map(int, re.search(r"ETA (\d+):(\d\d):(\d\d)$", lines[0]).groups())
+    assert 0 < hours * 3600 + minutes * 60 + seconds <= 600
+
+
+def test_progress_refuses_a_negative_interval_and_a_stringio_is_no_terminal(monkeypatch):
+    with pytest.raises(ValueError, match="every_seconds"):
+        PlainTextProgress(every_seconds=-1)
+    monkeypatch.setattr("sys.stdout", io.StringIO())
+    assert stdout_is_terminal() is False
