@@ -46,9 +46,17 @@ class FusionDataModule(L.LightningDataModule):
         self.seq_len, self.batch_size, self.num_workers = seq_len, batch_size, num_workers
         self.seed, self.shuffle = seed, shuffle
         self.vocab, self.image_tokenizer = vocab, image_tokenizer
+        self._checked = None  # the model config `check` last accepted
 
     def setup(self, stage: str) -> None:
         """Start-up validation against the model (runs on every rank before the first batch)."""
+        config = self.trainer.lightning_module.model_config if self.trainer is not None else None
+        if config is not None and config is not self._checked:
+            self.check(config)
+
+    def check(self, config) -> None:
+        """Refuse shards, vocabulary or image tokenizer that do not fit the model config (FusionConfig); `fit`
+        calls this before the trainer starts, so a refused start leaves no log or checkpoint folders."""
         train_manifest = _manifest(self.train_dir, "train")
         val_manifest = _manifest(self.val_dir, "val") if self.val_dir else None
         vocab = fingerprint = None
@@ -60,10 +68,9 @@ class FusionDataModule(L.LightningDataModule):
             from tokenizer.image import ImageTokenizer
 
             fingerprint = ImageTokenizer.from_pretrained(self.image_tokenizer).fingerprint()
-        config = self.trainer.lightning_module.model_config if self.trainer is not None else None
-        if config is not None:
-            check_compatible(model=config, vocab=vocab, image_tokenizer_fingerprint=fingerprint, shards=train_manifest,
-                             shards_dir=self.train_dir, val_shards=val_manifest, seq_len=self.seq_len, training=True)
+        check_compatible(model=config, vocab=vocab, image_tokenizer_fingerprint=fingerprint, shards=train_manifest,
+                         shards_dir=self.train_dir, val_shards=val_manifest, seq_len=self.seq_len, training=True)
+        self._checked = config
 
     def _rank_world(self) -> tuple[int, int]:
         trainer = self.trainer

@@ -1,4 +1,8 @@
-"""`python train.py fit --config configs/fusion/<preset>.yaml`: LightningCLI over the Lightning module and the data module."""
+"""`python train.py fit --config configs/fusion/<preset>.yaml`: LightningCLI over the Lightning module and the data module.
+
+Besides LightningCLI's options: `--threads auto|N` (CPU threads; auto = the cores other processes leave idle)
+and `--trainer.max_steps auto` (as many steps as fit in --trainer.max_time, the lr schedule fitted to them).
+"""
 
 from __future__ import annotations
 
@@ -13,6 +17,15 @@ from lightning.pytorch.cli import LightningCLI
 
 from data_shards.datamodule import FusionDataModule
 from fusion_model.cli import FIT_SHARED_FLAGS, shared_flags_epilog, translate_shared_flags
+from fusion_model.cli.lightning_options import (
+    RUNTIME_OPTIONS_HELP,
+    class_path_of,
+    entry,
+    place_outputs_under_root,
+    take_runtime_options,
+    time_limit_seconds,
+    use_plain_progress_when_logging_to_a_file,
+)
 from fusion_model.training.checkpointing import broken_checkpoint_message
 from fusion_model.training.lightning_module import FusionLightningModule, NonFiniteLossError
 
@@ -26,6 +39,7 @@ class FusionCLI(LightningCLI):
             "trainer.plugins": [{"class_path": "fusion_model.training.checkpointing.AtomicCheckpointIO"}],
             # the stream splits the data by rank itself; a re-built DataLoader would lose its resumable state
             "trainer.use_distributed_sampler": False,
+            "trainer.default_root_dir": DEFAULT_ROOT,
         })
 
     def _parse_ckpt_path(self) -> None:
@@ -39,8 +53,20 @@ class FusionCLI(LightningCLI):
                 raise
             raise ValueError(broken_checkpoint_message(Path(ckpt_path), err)) from err
 
+    def instantiate_trainer(self, **kwargs):
+        """With no logger configured, log TensorBoard (tb/) and CSV (csv/) under trainer.default_root_dir."""
+        trainer = self._get(self.config_init, "trainer", default={})
+        if trainer.get("logger") in (None, True):
+            from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+            root = trainer.get("default_root_dir") or DEFAULT_ROOT
+            kwargs["logger"] = [TensorBoardLogger(root, name="tb"), CSVLogger(root, name="csv")]
+        return super().instantiate_trainer(**kwargs)
+
     def before_fit(self) -> None:
-        """Check that checkpoints can be written before training starts, not at the first save hours later."""
+        """Check the data against the model and that checkpoints can be written, before anything is written."""
+        if hasattr(self.datamodule, "check") and getattr(self.model, "model_config", None) is not None:
+            self.datamodule.check(self.model.model_config)
         directories = [self.trainer.default_root_dir]
         directories += [cb.dirpath for cb in self.trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
         for directory in dict.fromkeys(str(d) for d in directories):
@@ -50,12 +76,96 @@ class FusionCLI(LightningCLI):
                     f"checkpoint directory {directory} cannot be written ({problem}); choose a writable "
                     "--trainer.default_root_dir or ModelCheckpoint dirpath, or fix the directory's permissions"
                 )
+        if self.trainer.is_global_zero:
+            logs = ", ".join(dict.fromkeys(str(logger.log_dir) for logger in self.trainer.loggers)) or "none"
+            checkpoints = ", ".join(str(cb.dirpath) for cb in self.trainer.checkpoint_callbacks) or "none"
+            print(f"fit: logs in {logs}; checkpoints in {checkpoints}", flush=True)
+
+    def after_fit(self) -> None:
+        """Save the final step into last.ckpt when the run stopped between periodic checkpoints (max_time or a
+        max_steps that is not a multiple of the interval): otherwise up to an interval of training is lost."""
+        trainer = self.trainer
+        if trainer.interrupted or trainer.global_step == 0:
+            return
+        for callback in trainer.checkpoint_callbacks:
+            saved = getattr(callback, "_last_global_step_saved", None)
+            if getattr(callback, "save_last", None) and callback.dirpath and saved != trainer.global_step:
+                path = Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
+                trainer.save_checkpoint(path)
+                callback.last_model_path = str(path)
+                if trainer.is_global_zero:
+                    print(f"fit: saved the final step {trainer.global_step} to {path}", flush=True)
 
     def before_instantiate_classes(self) -> None:
-        """Pick the precision from the hardware when the config leaves it unset."""
+        """Fill in what the inputs already fix (precision, vocabulary layout, horizon, output paths)."""
         config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
         if config.trainer.get("precision") is None:
             config.trainer.precision = "bf16-mixed" if torch.cuda.is_available() else "32-true"
+        derive_model_config(config)
+        fit_schedule_to_time_budget(config)
+        place_outputs_under_root(config, DEFAULT_ROOT)
+        use_plain_progress_when_logging_to_a_file(config)
+
+
+LAYOUT = ("vocab_size", "image_offset", "image_codes")
+DEFAULT_ROOT = "runs/fit"
+FIT_HELP = (
+    RUNTIME_OPTIONS_HELP + " Taken from the inputs when model.config leaves them out: vocab_size, image_offset and "
+    "image_codes (the token shards' manifest, else --vocab), max_seq_len (raised to data.seq_len). "
+    "--trainer.max_time without max_steps fits the lr schedule to the time budget. Logs go to "
+    "<default_root_dir>/tb and /csv, checkpoints to <default_root_dir>/checkpoints."
+)
+STEPS_UNTIL_MEASURED = 1_000_000  # trainer.max_steps under a time budget until TimeBudget has measured the rate
+
+
+def derive_model_config(config) -> None:
+    """Take the vocabulary layout (vocab_size, image_offset, image_codes) the model config leaves unset from the
+    token shards' manifest (or `data.vocab`), and raise max_seq_len to `data.seq_len` when unset and too short.
+
+    Only keys absent from model.config are filled in; an explicit value that contradicts the data is left for the
+    start-up check, which names both values.
+    """
+    from fusion_model.config import FusionConfig
+
+    model_config = config.model.get("config")
+    if not isinstance(model_config, dict):  # None (config from model.init_weights) or a FusionConfig
+        return
+    layout: dict[str, int] = {}
+    manifest = Path(str(config.data.get("train_dir") or "")) / "manifest.json"
+    if manifest.is_file():
+        from data_shards.token_shards import read_manifest
+
+        layout = {k: int(v) for k, v in read_manifest(manifest.parent).items() if k in LAYOUT and v is not None}
+    vocab_path = config.data.get("vocab")
+    if len(layout) < len(LAYOUT) and vocab_path and Path(vocab_path).is_file():
+        from tokenizer.vocab import UnifiedVocab
+
+        vocab = UnifiedVocab.load(vocab_path)
+        layout = {"vocab_size": vocab.vocab_size, "image_offset": vocab.image_offset, "image_codes": vocab.image_codes,
+                  **layout}
+    for key, value in layout.items():
+        model_config.setdefault(key, value)
+    seq_len = config.data.get("seq_len")
+    if "max_seq_len" not in model_config and seq_len and FusionConfig.from_dict(model_config).max_seq_len < seq_len:
+        model_config["max_seq_len"] = int(seq_len)
+
+
+def fit_schedule_to_time_budget(config) -> None:
+    """`--trainer.max_time` without max_steps: fit the lr schedule to the budget (a TimeBudget callback sets
+    the horizon from the measured step rate), instead of failing for want of a horizon."""
+    trainer = config.trainer
+    if (trainer.get("max_steps") or -1) > 0 or config.model.get("decay_steps"):
+        return
+    max_time = trainer.get("max_time")
+    if not max_time:
+        raise ValueError("the lr schedule needs a horizon: set --trainer.max_steps N, or --trainer.max_time "
+                         "DD:HH:MM:SS to fit the schedule to a time budget (or --model.decay_steps N)")
+    trainer.max_steps = STEPS_UNTIL_MEASURED
+    callbacks = list(trainer.get("callbacks") or [])
+    if not any(str(class_path_of(c)).endswith(".TimeBudget") for c in callbacks):
+        minutes = time_limit_seconds(max_time) / 60.0
+        callbacks.append(entry("fusion_model.training.callbacks.TimeBudget", {"minutes": minutes}))
+    trainer.callbacks = callbacks
 
 
 def unwritable_reason(directory: Path) -> str | None:
@@ -94,13 +204,14 @@ def fit_from_config(config: str | Path | None = None, overrides: list[str] | Non
             run=run,
             save_config_kwargs={"overwrite": True},
             seed_everything_default=0,
-            parser_kwargs={"fit": {"epilog": shared_flags_epilog(FIT_SHARED_FLAGS)}},
+            parser_kwargs={"fit": {"epilog": shared_flags_epilog(FIT_SHARED_FLAGS) + "\n\n" + FIT_HELP}},
         )
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `train.py fit`; bad input raises ValueError, which `train.py` turns into exit code 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    argv = take_runtime_options(argv, "fit")
     try:
         fit_from_config(None, translate_shared_flags(argv, FIT_SHARED_FLAGS))
     except NonFiniteLossError as err:  # the run failed after it started: exit 1 (bad input exits 2 in train.py)

@@ -8,13 +8,16 @@ import itertools
 import json
 from pathlib import Path
 
+from fusion_model.cli import DefaultsHelpFormatter
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the `shards` command."""
     parser = argparse.ArgumentParser(prog="train.py shards", description=__doc__)
     sub = parser.add_subparsers(dest="action", required=True)
 
-    write = sub.add_parser("write", help="read sources into raw webdataset shards (one sample = one document)")
+    write = sub.add_parser("write", help="read sources into raw webdataset shards (one sample = one document)",
+                           formatter_class=DefaultsHelpFormatter)
     write.add_argument("--out", required=True, metavar="RAW_DIR",
                        help="output directory for raw shards (must not hold a manifest yet)")
     write.add_argument("--image-folder", action="append", default=[], metavar="DIR",
@@ -40,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     write.add_argument("--strict", action="store_true",
                        help="stop at the first bad sample instead of skipping it and listing it in the manifest")
 
-    tok = sub.add_parser("tokenize", help="pre-tokenize raw shards into token shards (resumable)")
+    tok = sub.add_parser("tokenize", help="pre-tokenize raw shards into token shards (resumable)",
+                         formatter_class=DefaultsHelpFormatter)
     tok.add_argument("raw", metavar="RAW_DIR", help="raw shard directory (from `shards write`)")
     tok.add_argument("--out", required=True, metavar="TOKENS_DIR",
                      help="token shard directory; a rerun skips the shards already finished there")
@@ -50,17 +54,21 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("--flip-probability", type=float, default=0.5,
                      help="probability that a [caption, image] pair is emitted as [image, caption]")
     tok.add_argument("--seed", type=int, default=0, help="seed of the per-document flip decisions")
-    tok.add_argument("--workers", type=int, default=1, help="processes, each tokenizing whole shards")
+    tok.add_argument("--workers", default="auto",
+                     help="processes, each tokenizing whole shards on one thread; auto: the cores other processes "
+                          "leave idle (measured at start)")
     tok.add_argument("--batch-size", type=int, default=64, help="images per image-tokenizer call")
-    tok.add_argument("--no-progress", action="store_true", help="do not show a progress bar")
+    tok.add_argument("--no-progress", action="store_true", help="print no progress (by default: a bar on a terminal, "
+                     "otherwise a plain line at most every 30 s with samples/s and ETA)")
 
-    ins = sub.add_parser("inspect", help="summarise a raw or token shard directory")
+    ins = sub.add_parser("inspect", help="summarise a raw or token shard directory",
+                         formatter_class=DefaultsHelpFormatter)
     ins.add_argument("dir", metavar="DIR", help="raw or token shard directory")
     ins.add_argument("--show", type=int, default=0, help="also print the first N documents")
     ins.add_argument("--vocab", default=None, help="tokenizer.json to decode token shards with --show")
 
     ver = sub.add_parser("verify", help="check every token shard (checksums, ids < vocab_size, offsets, counts); "
-                                        "exit 2 when any is bad")
+                                        "exit 2 when any is bad", formatter_class=DefaultsHelpFormatter)
     ver.add_argument("dir", metavar="TOKENS_DIR", help="token shard directory (from `shards tokenize`)")
     return parser
 
@@ -95,8 +103,16 @@ def _write(args: argparse.Namespace) -> int:
 def _tokenize(args: argparse.Namespace) -> int:
     from data_shards.pretokenize import pretokenize
     from data_shards.raw import read_raw_manifest
+    from tokenizer.threads import choose_threads, free_cores, parse_threads, usable_cores
     from tokenizer.vocab import UnifiedVocab
 
+    workers = parse_threads(args.workers, flag="--workers")
+    if workers == "auto":
+        workers = free_cores()
+        print(f"tokenize with {workers} worker process{'es' if workers > 1 else ''} ({workers} of {usable_cores()} "
+              "cores idle; --workers N to override)", flush=True)
+    if workers == 1:  # in this process: one thread, as each worker process uses
+        choose_threads(1, log=None)
     read_raw_manifest(args.raw)  # fail before loading models
     vocab = UnifiedVocab.load(args.vocab)
     image_tokenizer = None
@@ -105,7 +121,7 @@ def _tokenize(args: argparse.Namespace) -> int:
 
         image_tokenizer = ImageTokenizer.from_pretrained(args.image_tokenizer).eval()
     manifest = pretokenize(args.raw, args.out, vocab, image_tokenizer, flip_probability=args.flip_probability,
-                           seed=args.seed, num_workers=args.workers, batch_size=args.batch_size,
+                           seed=args.seed, num_workers=workers, batch_size=args.batch_size,
                            progress=not args.no_progress)
     print(f"{manifest['documents']} documents, {manifest['tokens']} tokens, {manifest['images']} images "
           f"in {len(manifest['shards'])} token shards at {args.out}")

@@ -6,11 +6,19 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
+from pathlib import Path
 
 from fusion_model.cli import TOKENIZER_SHARED_FLAGS, shared_flags_epilog, translate_shared_flags
+from fusion_model.cli.lightning_options import (
+    RUNTIME_OPTIONS_HELP,
+    place_outputs_under_root,
+    take_runtime_options,
+    use_plain_progress_when_logging_to_a_file,
+)
 
 EXPORT_HELP = "usage: python train.py tokenizer export --checkpoint CKPT --out DIR"
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
+DEFAULT_ROOT = "runs/tokenizer"
 
 
 def export_parser() -> argparse.ArgumentParser:
@@ -44,19 +52,42 @@ def export(argv: list[str]) -> int:
     return 0
 
 
+def overview() -> str:
+    """`train.py tokenizer --help`: the subcommands, the presets, the options most runs change (instant)."""
+    presets = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "configs" / "tokenizer").glob("*.yaml"))
+    return "\n".join([
+        "usage: python train.py tokenizer {fit,validate,test,predict} --config configs/tokenizer/<preset>.yaml [options]",
+        "       " + EXPORT_HELP.removeprefix("usage: "),
+        "",
+        "Train and evaluate the VQ image tokenizer (LightningCLI), or turn a checkpoint into an inference bundle.",
+        f"Presets (configs/tokenizer/): {', '.join(presets)}.",
+        "",
+        "Options most runs change (`tokenizer fit --help` lists all, with defaults; it takes a few seconds):",
+        "  --data.source PATH         photos (built in), an image folder, or local webdataset shards (.tar)",
+        "  --data.image_size N        training crop size in pixels (the preset's)",
+        "  --data.batch_size N        images per step",
+        "  --trainer.max_time DD:HH:MM:SS   stop after this long (with --trainer.max_steps auto: the time decides)",
+        "  --trainer.default_root_dir DIR   logs (tb/, csv/), checkpoints and the bundle go here",
+        "  --threads auto|N           CPU threads (auto: the cores other processes leave idle)",
+        "  --checkpoint CKPT          resume from a checkpoint (= --ckpt_path)",
+        "",
+        "At the end of `fit` the inference bundle (config json + safetensors) is written to <default_root_dir>/tokenizer.",
+        shared_flags_epilog(TOKENIZER_SHARED_FLAGS),
+    ])
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point for `train.py tokenizer`."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "export":
         return export(argv[1:])
     if not argv or argv[0] in {"-h", "--help"}:
-        print(
-            "usage: python train.py tokenizer {fit,validate,test,predict,export} [--config configs/tokenizer/<preset>.yaml]"
-            "\n\nLightningCLI subcommands train/validate the VQ image tokenizer; `export` turns a checkpoint into an"
-            " inference bundle.\n" + EXPORT_HELP + "\n\n" + shared_flags_epilog(TOKENIZER_SHARED_FLAGS),
-            file=sys.stdout if argv else sys.stderr,
-        )
+        print(overview(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
+    if argv[0] not in LIGHTNING_SUBCOMMANDS:
+        raise ValueError(f"unknown tokenizer command {argv[0]!r}; choose one of: {', '.join(LIGHTNING_SUBCOMMANDS)}, "
+                         "export (python train.py tokenizer --help)")
+    argv = [argv[0], *take_runtime_options(argv[1:], f"tokenizer {argv[0]}")]
 
     from lightning.pytorch.cli import LightningCLI
 
@@ -71,14 +102,24 @@ def main(argv: list[str] | None = None) -> int:
                 "trainer.plugins": [{"class_path": "fusion_model.training.checkpointing.AtomicCheckpointIO"}],
             })
 
+        def before_instantiate_classes(self) -> None:
+            """A plain progress line instead of the bar when stdout is a file; checkpoints in <root>/checkpoints."""
+            config = self.config.get(self.subcommand, self.config) if self.subcommand else self.config
+            use_plain_progress_when_logging_to_a_file(config)
+            place_outputs_under_root(config, DEFAULT_ROOT)
+
         def instantiate_trainer(self, **kwargs):
             trainer = self._get(self.config_init, "trainer", default={})
             if trainer.get("logger") in (None, True):
                 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-                root = trainer.get("default_root_dir") or "runs/tokenizer"
+                root = trainer.get("default_root_dir") or DEFAULT_ROOT
                 kwargs["logger"] = [TensorBoardLogger(root, name="tb"), CSVLogger(root, name="csv")]
-            return super().instantiate_trainer(**kwargs)
+            trainer = super().instantiate_trainer(**kwargs)
+            for callback in trainer.callbacks:  # one bundle path per run folder, not per logger version
+                if isinstance(callback, ExportTokenizer) and callback.dirpath is None:
+                    callback.dirpath = str(Path(trainer.default_root_dir) / "tokenizer")
+            return trainer
 
     # `args` is how train.py passes the subcommand's arguments; the check that warns about it assumes sys.argv
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
@@ -86,9 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         ImageTokenizerModule,
         ImageDataModule,
         args=translate_shared_flags(argv, TOKENIZER_SHARED_FLAGS),
-        trainer_defaults={"callbacks": [ExportTokenizer()], "default_root_dir": "runs/tokenizer"},
+        trainer_defaults={"callbacks": [ExportTokenizer()], "default_root_dir": DEFAULT_ROOT},
         save_config_kwargs={"overwrite": True},
         seed_everything_default=0,
-        parser_kwargs={name: {"epilog": shared_flags_epilog(TOKENIZER_SHARED_FLAGS)} for name in LIGHTNING_SUBCOMMANDS},
+        parser_kwargs={name: {"epilog": shared_flags_epilog(TOKENIZER_SHARED_FLAGS) + " " + RUNTIME_OPTIONS_HELP}
+                       for name in LIGHTNING_SUBCOMMANDS},
     )
     return 0

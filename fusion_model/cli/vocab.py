@@ -7,14 +7,9 @@ import sys
 import time
 from pathlib import Path
 
+from fusion_model.cli import DefaultsHelpFormatter
 from tokenizer.corpus import BUILTIN, CorpusStats, iter_corpus
-from tokenizer.vocab import (
-    DEFAULT_IMAGE_CODES,
-    DEFAULT_NUM_SPECIALS,
-    DEFAULT_VOCAB_SIZE,
-    NAMED_SPECIALS,
-    train_unified_vocab,
-)
+from tokenizer.specials import DEFAULT_IMAGE_CODES, DEFAULT_NUM_SPECIALS, DEFAULT_VOCAB_SIZE, NAMED_SPECIALS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
             "exactly --vocab-size ids: special tokens first, then one id per image code (Chameleon's IMGIMG* "
             "names), then text. Writes a single tokenizer.json that tokenizers and transformers load."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=DefaultsHelpFormatter,
     )
     parser.add_argument(
         "--corpus",
@@ -50,7 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="total number of ids (specials + image codes + text)",
     )
     parser.add_argument(
-        "--image-codes", type=int, default=DEFAULT_IMAGE_CODES, help="image codebook size: one id per code"
+        "--image-codes", type=int, default=None,
+        help=f"image codebook size: one id per code (default: the --image-tokenizer's codebook, else {DEFAULT_IMAGE_CODES})",
+    )
+    parser.add_argument(
+        "--image-tokenizer", default=None, metavar="BUNDLE",
+        help="image tokenizer bundle directory (from `train.py tokenizer fit`): the image codes are its codebook",
     )
     parser.add_argument(
         "--num-specials",
@@ -82,9 +82,29 @@ def _limited(texts, max_bytes: float | None, stats: CorpusStats):
             return
 
 
+def image_codes(given: int | None, bundle: str | None) -> int:
+    """The number of image ids: the bundle's codebook size (an explicit --image-codes must agree), else given/default."""
+    if bundle is None:
+        return DEFAULT_IMAGE_CODES if given is None else given
+    config = Path(bundle) / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"--image-tokenizer {bundle}: no config.json there; pass the bundle directory "
+                                "that `train.py tokenizer fit` printed (or `tokenizer export` wrote)")
+    import json
+
+    codebook = int(json.loads(config.read_text())["codebook_size"])
+    if given is not None and given != codebook:
+        raise ValueError(f"--image-codes {given} but the image tokenizer {bundle} has {codebook} codes; "
+                         "drop --image-codes (it is taken from the bundle) or pass the other bundle")
+    return codebook
+
+
 def main(argv: list[str] | None = None) -> int:
     """Train, save and summarise the unified vocabulary; bad input raises ValueError / FileNotFoundError."""
     args = build_parser().parse_args(argv)
+    args.image_codes = image_codes(args.image_codes, args.image_tokenizer)
+    from tokenizer.vocab import train_unified_vocab
+
     stats = CorpusStats()
     texts = iter_corpus(args.corpus, text_key=args.text_key, skip_bad_files=args.skip_bad_files, stats=stats)
     max_bytes = None if args.max_mb is None else args.max_mb * 1e6

@@ -222,12 +222,13 @@ def run_generate(config: DemoConfig, out_dir: Path, progress: bool = True) -> di
 # ---------------------------------------------------------------- 4. pretraining
 
 
-AUTO_STEPS_CAP = 1_000_000  # max_steps until TimeBudget has measured the step rate
 
 
 def fit_overrides(config: DemoConfig, out_dir: Path, vocab, progress: bool) -> list[str]:
     """`train.py fit` options that follow `--config configs/fusion/demo.yaml`: the demo's paths, vocabulary,
     time budget and callbacks, and the train section's replacements for that file's values."""
+    from fusion_model.cli.fit import STEPS_UNTIL_MEASURED
+
     settings, folder = config.train, out_dir / "train"
     minutes = float(settings.max_minutes)
     # "auto": as many steps as fit in max_minutes, measured on the first steps (the lr decay ends on time)
@@ -250,7 +251,7 @@ def fit_overrides(config: DemoConfig, out_dir: Path, vocab, progress: bool) -> l
     }
     options = {
         "seed_everything": config.seed,
-        "trainer.max_steps": AUTO_STEPS_CAP if auto_steps else settings.max_steps,
+        "trainer.max_steps": STEPS_UNTIL_MEASURED if auto_steps else settings.max_steps,
         "trainer.max_time": f"00:00:{int(minutes):02d}:{int(round(minutes % 1 * 60)):02d}",
         "trainer.enable_progress_bar": progress,
         "trainer.default_root_dir": str(folder),

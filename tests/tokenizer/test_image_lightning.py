@@ -31,7 +31,7 @@ def test_cli_fit_logs_metrics_and_grid_then_export_matches_the_bundle(tmp_path):
                  "--trainer.check_val_every_n_epoch", "null", "--trainer.enable_progress_bar", "false",
                  "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(root)])
     assert code == 0
-    bundle = root / "tb" / "version_0" / "tokenizer"
+    bundle = root / "tokenizer"  # <default_root_dir>/tokenizer, whatever the logger version
     tokenizer = ImageTokenizer.from_pretrained(bundle)
     assert tokenizer.config.image_size == 64 and tokenizer.grid_shape == (4, 4)
     rows = list(csv.DictReader((root / "csv" / "version_0" / "metrics.csv").open()))
@@ -186,3 +186,12 @@ def test_fewer_training_images_than_one_batch_is_refused_instead_of_looping_fore
     assert code == 2
     err = capsys.readouterr().err
     assert "number 3" in err and "data.batch_size is 8" in err and "--data.batch_size" in err
+
+
+def test_tokenizer_help_is_instant_and_names_presets_and_options(capsys):
+    assert cli.main(["tokenizer", "--help"]) == 0
+    out = capsys.readouterr().out
+    for expected in ("demo-64", "photos-64", "--data.source", "--threads", "--trainer.max_time", "<default_root_dir>/tokenizer"):
+        assert expected in out
+    assert cli.main(["tokenizer", "train"]) == 2
+    assert "unknown tokenizer command 'train'" in capsys.readouterr().err

@@ -127,8 +127,12 @@ def test_shards_from_another_vocabulary_or_image_tokenizer(tmp_path, capsys):
     image_tokenizer.save_pretrained(image_dir)
     other = fw.make_token_dir(tmp_path / "other", vocab_size=512)  # fingerprints of some other tokenizers
     same_vocab = fw.make_token_dir(tmp_path / "same", vocab_size=512, vocab_fingerprint=vocab.fingerprint())
-    err = _fit_error(fw.tiny_args(same_vocab, tmp_path, 2, extra=["--model.config.vocab_size=512", f"--data.vocab={vocab_path}"]), capsys)
-    assert f"--model.config.image_offset {vocab.image_offset} --model.config.image_codes 64" in err
+    from fusion_model.cli.fit import fit_from_config
+
+    # no image block given: fit takes the vocabulary's (older manifests, like these, do not record it)
+    built = fit_from_config(None, fw.tiny_args(same_vocab, tmp_path, 2, extra=[
+        "--model.config.vocab_size=512", f"--data.vocab={vocab_path}"]), run=False)
+    assert (built.model.model_config.image_offset, built.model.model_config.image_codes) == (vocab.image_offset, 64)
     model = ["--model.config.vocab_size=512", f"--model.config.image_offset={vocab.image_offset}", "--model.config.image_codes=64"]
     err = _fit_error(fw.tiny_args(other, tmp_path, 2, extra=[*model, f"--data.vocab={vocab_path}"]), capsys)
     assert "another vocabulary" in err and vocab.fingerprint() in err and "vocab-test" in err
@@ -241,7 +245,10 @@ def test_the_shards_image_block_is_checked_without_a_vocabulary(tmp_path, capsys
                                                               "--model.config.image_codes=32"]), capsys)
     assert "model.config.image_codes=32" in err and "image_codes 64" in err and str(shards) in err
     assert "set --model.config.image_offset 8 --model.config.image_codes 64" in err
-    err = _fit_error(fw.tiny_args(shards, tmp_path, 2), capsys)  # the preset has no image block at all
-    assert "no image block" in err and "set --model.config.image_offset 8 --model.config.image_codes 64" in err
+    from fusion_model.cli.fit import fit_from_config
+
+    # the preset has no image block at all: fit takes the shards' (tiny_args gives vocab_size, not the block)
+    built = fit_from_config(None, fw.tiny_args(shards, tmp_path, 2), run=False).model.model_config
+    assert (built.image_offset, built.image_codes) == (8, 64)
     assert main(fw.tiny_args(shards, tmp_path, 1, extra=["--model.config.image_offset=8",
                                                          "--model.config.image_codes=64"])) == 0

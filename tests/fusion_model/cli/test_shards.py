@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -22,6 +25,22 @@ def test_every_option_has_help():
         for action in sub._actions:
             if action.dest != "help":
                 assert action.help, f"shards {name} {action.option_strings or action.dest} has no help"
+
+
+def test_help_shows_the_defaults_without_importing_torch(capsys):
+    for action, shown in (("tokenize", ["[image, caption] (default: 0.5)", "flip decisions (default: 0)",
+                                        "image-tokenizer call (default: 64)"]),
+                          ("write", ["per shard (default: 10000)", "(MB) (default: 256.0)"])):
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["shards", action, "--help"])
+        assert exit_.value.code == 0
+        text = " ".join(capsys.readouterr().out.split())
+        assert all(default in text for default in shown) and "(default: None)" not in text
+        assert "(default: False)" not in text and "(default: [])" not in text
+    code = ("import sys\nfrom fusion_model import cli\ntry:\n    cli.main(['shards', 'tokenize', '--help'])\n"
+            "except SystemExit:\n    pass\nprint('torch' in sys.modules, file=sys.stderr)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stderr.strip() == "False"
 
 
 def test_write_tokenize_inspect(tmp_path, capsys):

@@ -19,6 +19,8 @@ def test_help_explains_every_option(capsys):
         for option in action.option_strings:
             assert option in text
     assert "kjv" in text and "runs/vocab/tokenizer.json" in text
+    flat = " ".join(text.split())
+    assert "(default: 65536)" in flat and "merged (default: 2)" in flat and "(default: None)" not in flat
 
 
 def test_small_run_writes_a_loadable_vocabulary(tmp_path, capsys):
@@ -86,3 +88,18 @@ def test_only_unreadable_files_is_an_empty_corpus_that_counts_them(tmp_path, cap
     assert cli.main(["vocab", *args]) == 2
     error = capsys.readouterr().err
     assert "corpus is empty" in error and "1 non-UTF-8 file(s) were skipped" in error
+
+
+def test_the_image_codes_come_from_the_image_tokenizer_bundle(tmp_path):
+    from fusion_model.cli.vocab import image_codes
+    from tokenizer.image import ImageTokenizer, ImageTokenizerConfig
+
+    bundle = tmp_path / "bundle"
+    ImageTokenizer(ImageTokenizerConfig.from_preset("demo-64")).save_pretrained(bundle)
+    assert image_codes(None, str(bundle)) == 512
+    assert image_codes(512, str(bundle)) == 512
+    with pytest.raises(ValueError, match="--image-codes 256 but the image tokenizer .* has 512 codes"):
+        image_codes(256, str(bundle))
+    with pytest.raises(FileNotFoundError, match="--image-tokenizer .*: no config.json"):
+        image_codes(None, str(tmp_path))
+    assert image_codes(None, None) == 8192 and image_codes(64, None) == 64

@@ -74,7 +74,9 @@ def test_precision_defaults_to_fp32_on_cpu_and_the_schedule_needs_a_horizon(tmp_
     args = fw.tiny_args(tokens, tmp_path, 5)
     cli = fit_from_config(None, [*args, "--trainer.precision=null"], run=False)
     assert cli.trainer.precision == ("bf16-mixed" if torch.cuda.is_available() else "32-true")
-    cli = fit_from_config(None, [*args, "--trainer.max_steps=-1", "--trainer.max_epochs=1"], run=False)
-    cli.model.trainer = cli.trainer
+    with pytest.raises(ValueError, match="needs a horizon: set --trainer.max_steps N, or --trainer.max_time"):
+        fit_from_config(None, [*args, "--trainer.max_steps=-1", "--trainer.max_epochs=1"], run=False)
+    cli.model.trainer = cli.trainer  # the module itself refuses too (used from Python without the CLI)
+    cli.trainer.fit_loop.epoch_loop.max_steps = -1
     with pytest.raises(ValueError, match="trainer.max_steps or model.decay_steps"):
         cli.model.configure_optimizers()

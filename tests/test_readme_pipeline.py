@@ -1,0 +1,104 @@
+"""The README's pipeline, typed as written, on pictures and text made here: every command in its command-line
+block runs (small sizes via documented flags appended), in a fresh folder, output to files, exit code 0."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# documented flags that make each step seconds-long (appended: the last value of a flag wins)
+SMALL = {
+    "tokenizer fit": ["--trainer.max_steps", "4", "--trainer.max_time", "null", "--data.batch_size", "4",
+                      "--trainer.val_check_interval", "4", "--data.val_samples", "4"],
+    "vocab": ["--vocab-size", "1024"],
+    "fit": ["--trainer.max_steps", "3", "--data.batch_size", "2", "--data.seq_len", "64",
+            "--trainer.val_check_interval", "null"],
+    "generate": ["--num-samples", "1"],
+}
+SKIPPED = {"convert import": "needs a transformers Chameleon folder (HF_DIR); tests/fusion_model/test_hf_export.py"}
+COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 80, 220), "yellow": (230, 210, 40)}
+
+
+def readme_commands() -> list[str]:
+    """The commands of the README's command-line block, continuation lines joined, comments dropped."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## The command line"):]
+    block = section[section.index("```bash\n") + len("```bash\n"):]
+    block = block[: block.index("```")]
+    lines = re.sub(r"\\\n\s*", " ", block).splitlines()
+    return [shlex.join(shlex.split(line, comments=True)) for line in lines if shlex.split(line, comments=True)]
+
+
+def step_of(command: str) -> str:
+    """'tokenizer fit', 'shards write', 'fit', ... for `python train.py <step> ...`."""
+    words = shlex.split(command)[2:]
+    return " ".join(words[:2]) if words[0] in {"tokenizer", "shards", "convert"} else words[0]
+
+
+def make_user_data(root: Path) -> None:
+    """A captioned folder of drawn shapes (the images) and a text corpus of sentences about them."""
+    from PIL import Image, ImageDraw
+
+    rng = random.Random(0)
+    folder = root / "my_images"
+    folder.mkdir()
+    sentences = []
+    for index in range(24):
+        colour, shape = rng.choice(list(COLOURS)), rng.choice(["circle", "square"])
+        image = Image.new("RGB", (80, 80), (245, 245, 240))
+        box = [rng.randint(5, 25), rng.randint(5, 25), rng.randint(50, 75), rng.randint(50, 75)]
+        draw = ImageDraw.Draw(image)
+        (draw.ellipse if shape == "circle" else draw.rectangle)(box, fill=COLOURS[colour])
+        image.save(folder / f"shape{index:02d}.png")
+        caption = f"a {colour} {shape} on a white page"
+        (folder / f"shape{index:02d}.txt").write_text(caption)
+        sentences.append(f"Here is {caption}. The {shape} is {colour}, drawn by hand.")
+    (root / "my_corpus.txt").write_text("\n".join(sentences * 10) + "\n")
+
+
+def test_the_readme_commands_run_as_written_on_new_data(tmp_path):
+    commands = readme_commands()
+    assert [step_of(c) for c in commands][:8] == ["tokenizer fit", "vocab", "shards write", "shards tokenize",
+                                                   "shards verify", "fit", "generate", "convert import"]
+    make_user_data(tmp_path)
+    (tmp_path / "configs").symlink_to(REPO / "configs")
+    (tmp_path / "train.py").symlink_to(REPO / "train.py")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    outputs = {}
+    for command in commands:
+        step = step_of(command)
+        if step in SKIPPED:
+            continue
+        argv = [sys.executable, *shlex.split(command)[1:], *SMALL.get(step, [])]
+        if step in ("tokenizer fit", "fit"):
+            argv += ["--threads", "1"]
+        log = tmp_path / f"{step.replace(' ', '-')}.log"
+        with log.open("w") as out:  # output to a file, as on a cluster
+            result = subprocess.run(argv, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=600)
+        outputs[step] = log.read_text()
+        assert result.returncode == 0, f"{command}\n{outputs[step][-3000:]}"
+
+    assert (tmp_path / "runs/tokenizer/tokenizer/config.json").is_file()
+    assert "512 image codes" in outputs["vocab"]
+    assert "step 1/3" in outputs["fit"] and "done: step 3/3" in outputs["fit"], "plain progress lines in the log"
+    assert "\r" not in outputs["fit"] and "\x1b" not in outputs["fit"]
+    assert "all " in outputs["shards verify"] and " are good" in outputs["shards verify"]
+    images = re.findall(r"<image: ([^>]+)>", outputs["generate"])
+    assert images and all((tmp_path / path).is_file() or Path(path).is_file() for path in images)
+    assert (tmp_path / "out/hf-chameleon/config.json").is_file()
+
+
+@pytest.mark.parametrize("command", readme_commands())
+def test_every_readme_command_is_a_real_step(command):
+    from fusion_model.cli import SUBCOMMANDS
+
+    assert shlex.split(command)[:2] == ["python", "train.py"] and shlex.split(command)[2] in SUBCOMMANDS
