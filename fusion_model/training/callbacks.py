@@ -126,22 +126,27 @@ class TimeBudget(L.Callback):
     The rate is first measured over steps `skip_steps`..`measure_steps`, then again over each doubling window
     (steps 40-80, 80-160, ...) while the run is in its first `refine_until` of the horizon: early steps are
     often slower or faster than the rest, and a change of horizon there barely moves the lr (a cosine is still
-    within 20% of its peak at 30% of the way). The horizon is saved in checkpoints; a resumed run keeps it and
-    measures no more. Keep `trainer.max_time` as the hard stop.
+    within 20% of its peak at 30% of the way). A slow run that has not reached `measure_steps` after `patience`
+    of the budget takes its rate from the steps done since the first one (a 65,536-entry vocabulary on a CPU
+    makes a step take tens of seconds). Warmup is capped at half the horizon so the decay always happens. The
+    horizon is saved in checkpoints; a resumed run keeps it and measures no more. Keep `trainer.max_time` as the
+    hard stop.
     """
 
     def __init__(self, minutes: float, measure_steps: int = 40, skip_steps: int = 5, safety: float = 0.97,
-                 refine_until: float = 0.3) -> None:
+                 refine_until: float = 0.3, patience: float = 0.05) -> None:
         super().__init__()
         if measure_steps <= skip_steps:
             raise ValueError(f"TimeBudget: measure_steps ({measure_steps}) must exceed skip_steps ({skip_steps})")
         self.seconds, self.measure_steps, self.skip_steps = minutes * 60.0, measure_steps, skip_steps
-        self.safety, self.refine_until = safety, refine_until
+        self.safety, self.refine_until, self.patience = safety, refine_until, patience
         self.horizon: int | None = None
         self.settled = False  # True once the horizon may no longer change (refined, or a resumed run)
         self._train_start = 0.0
+        self._first: tuple[int, float] | None = None  # (step, time) after the first optimizer step
         self._window: tuple[int, float] | None = None  # (step, time) where the current measuring window began
         self._next_check = measure_steps
+        self._recipe_warmups: list[int] | None = None
 
     def state_dict(self) -> dict:
         """The chosen horizon (None until measured)."""
@@ -163,26 +168,37 @@ class TimeBudget(L.Callback):
         step = trainer.global_step
         if self.settled:
             return
+        now = time.perf_counter()
+        if self._first is None and step > 0:
+            self._first = (step, now)
         if step == self.skip_steps and self._window is None:
-            self._window = (step, time.perf_counter())
+            self._window = (step, now)
         elif step == self._next_check and self._window is not None:
             if self.horizon is not None and step > self.refine_until * self.horizon:
                 self.settled = True
                 return
-            now = time.perf_counter()
-            per_step = (now - self._window[1]) / (step - self._window[0])
-            remaining = self.seconds - (now - self._train_start)
-            self.horizon = max(step + 1, step + int(self.safety * remaining / per_step))
-            self._apply(trainer, self.horizon)
-            self._window, self._next_check = (step, now), 2 * step
+            self._set_horizon(trainer, step, now, self._window)
+        elif (self.horizon is None and self._first is not None and step > self._first[0]
+              and now - self._train_start >= self.patience * self.seconds):
+            self._set_horizon(trainer, step, now, self._first)  # slow steps: do not wait for measure_steps
 
-    @staticmethod
-    def _apply(trainer: L.Trainer, horizon: int) -> None:
+    def _set_horizon(self, trainer: L.Trainer, step: int, now: float, since: tuple[int, float]) -> None:
+        per_step = (now - since[1]) / (step - since[0])
+        remaining = self.seconds - (now - self._train_start)
+        self.horizon = max(step + 1, step + int(self.safety * remaining / per_step))
+        self._apply(trainer, self.horizon)
+        self._window, self._next_check = (step, now), 2 * step
+
+    def _apply(self, trainer: L.Trainer, horizon: int) -> None:
         trainer.fit_loop.epoch_loop.max_steps = horizon
-        for config in trainer.lr_scheduler_configs:
-            for schedule in getattr(config.scheduler, "lr_lambdas", []):
-                if hasattr(schedule, "decay_steps"):
-                    schedule.decay_steps = horizon
+        schedules = [schedule for config in trainer.lr_scheduler_configs
+                     for schedule in getattr(config.scheduler, "lr_lambdas", []) if hasattr(schedule, "decay_steps")]
+        if self._recipe_warmups is None:
+            self._recipe_warmups = [int(getattr(schedule, "warmup_steps", 0)) for schedule in schedules]
+        for schedule, warmup in zip(schedules, self._recipe_warmups):
+            schedule.decay_steps = horizon
+            if hasattr(schedule, "warmup_steps"):  # warmup takes at most half the horizon: the decay must happen
+                schedule.warmup_steps = min(warmup, horizon // 2)
 
 
 def stdout_is_terminal() -> bool:

@@ -88,6 +88,23 @@ def test_a_resumed_run_keeps_its_horizon(monkeypatch):
     assert resumed.horizon == first.horizon
 
 
+def test_slow_steps_get_a_horizon_before_the_budget_is_spent_and_the_lr_decays(monkeypatch):
+    """30 s per step in a 5-minute budget: measure_steps (40) would never be reached; after 5% of the budget the
+    rate since the first step sets the horizon, and the recipe's 50 warmup steps shrink to half of it."""
+    clock = FakeClock()
+    monkeypatch.setattr(callbacks, "time", clock)
+    trainer = fake_trainer()
+    budget = TimeBudget(minutes=5, measure_steps=40, skip_steps=5, safety=1.0)
+    budget.on_train_start(trainer, None)
+    run_steps(budget, trainer, clock, 1, seconds_per_step=30.0)
+    assert budget.horizon is None, "one step gives no rate"
+    run_steps(budget, trainer, clock, 1, seconds_per_step=30.0)
+    assert budget.horizon == 2 + 240 // 30 == trainer.fit_loop.epoch_loop.max_steps
+    schedule = trainer.lr_scheduler_configs[0].scheduler.lr_lambdas[0]
+    assert (schedule.warmup_steps, schedule.decay_steps) == (5, 10)
+    assert schedule(4) == 1.0 and schedule(10) == pytest.approx(0.1), "peak after warmup, the floor at the horizon"
+
+
 def test_measuring_needs_steps_after_the_skipped_ones():
     with pytest.raises(ValueError, match="measure_steps"):
         TimeBudget(minutes=1, measure_steps=5, skip_steps=5)
