@@ -206,6 +206,9 @@ class Attention(nn.Module):
         self.out = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False)
         self.q_norm = QKNorm(self.n_heads, self.head_dim) if config.qk_norm else None
         self.k_norm = QKNorm(self.kv_heads, self.head_dim) if config.qk_norm else None
+        # a monitor (fusion_model.training.monitors) sets a callable(attention, q, k, ctx) here to see what the
+        # scores are made of; None, the default, costs one attribute check and changes nothing
+        self.observer = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """x: (B, T, dim) -> (B, T, dim)."""
@@ -218,6 +221,8 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if ctx.cache is not None:
             k, v = ctx.cache.update(self.layer, k, v)
+        if self.observer is not None:
+            self.observer(self, q, k, ctx)  # the module, not self.layer: compile would specialise on the int
         if ctx.backend == "flex":
             y = attn_lib.flex_attention(q, k, v, ctx.block_mask)
         elif ctx.backend == "xformers":

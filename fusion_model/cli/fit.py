@@ -151,20 +151,25 @@ def derive_model_config(config) -> None:
 
 
 def fit_schedule_to_time_budget(config) -> None:
-    """`--trainer.max_time` without max_steps: fit the lr schedule to the budget (a TimeBudget callback sets
-    the horizon from the measured step rate), instead of failing for want of a horizon."""
+    """`--trainer.max_time`: the lr schedule ends when the time does (a TimeBudget callback sets the horizon from
+    the measured step rate, never beyond a configured max_steps), instead of being cut off part-way down, or,
+    without max_steps, failing for want of a horizon. An explicit --model.decay_steps keeps its own horizon."""
     trainer = config.trainer
-    if (trainer.get("max_steps") or -1) > 0 or config.model.get("decay_steps"):
+    if config.model.get("decay_steps"):
         return
-    max_time = trainer.get("max_time")
+    max_time, max_steps = trainer.get("max_time"), trainer.get("max_steps") or -1
     if not max_time:
+        if max_steps > 0:
+            return
         raise ValueError("the lr schedule needs a horizon: set --trainer.max_steps N, or --trainer.max_time "
                          "DD:HH:MM:SS to fit the schedule to a time budget (or --model.decay_steps N)")
-    trainer.max_steps = STEPS_UNTIL_MEASURED
     callbacks = list(trainer.get("callbacks") or [])
     if not any(str(class_path_of(c)).endswith(".TimeBudget") for c in callbacks):
         minutes = time_limit_seconds(max_time) / 60.0
-        callbacks.append(entry("fusion_model.training.callbacks.TimeBudget", {"minutes": minutes}))
+        callbacks.append(entry("fusion_model.training.callbacks.TimeBudget",
+                               {"minutes": minutes, "max_steps": max_steps if max_steps > 0 else None}))
+    if max_steps <= 0:
+        trainer.max_steps = STEPS_UNTIL_MEASURED
     trainer.callbacks = callbacks
 
 

@@ -11,6 +11,7 @@ from typing import TextIO
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import Timer
+from lightning.pytorch.utilities import rank_zero_info
 
 from fusion_model.flops import matmul_peak_flops, sync
 
@@ -134,8 +135,10 @@ class TimeBudget(L.Callback):
     """
 
     def __init__(self, minutes: float, measure_steps: int = 40, skip_steps: int = 5, safety: float = 0.97,
-                 refine_until: float = 0.3, patience: float = 0.05) -> None:
+                 refine_until: float = 0.3, patience: float = 0.05, max_steps: int | None = None) -> None:
+        """max_steps: the configured step limit, never exceeded (the horizon is the smaller of it and the budget's)."""
         super().__init__()
+        self.max_steps = max_steps if max_steps and max_steps > 0 else None
         if measure_steps <= skip_steps:
             raise ValueError(f"TimeBudget: measure_steps ({measure_steps}) must exceed skip_steps ({skip_steps})")
         self.seconds, self.measure_steps, self.skip_steps = minutes * 60.0, measure_steps, skip_steps
@@ -185,8 +188,14 @@ class TimeBudget(L.Callback):
     def _set_horizon(self, trainer: L.Trainer, step: int, now: float, since: tuple[int, float]) -> None:
         per_step = (now - since[1]) / (step - since[0])
         remaining = self.seconds - (now - self._train_start)
+        first = self.horizon is None
         self.horizon = max(step + 1, step + int(self.safety * remaining / per_step))
+        if self.max_steps is not None:
+            self.horizon = min(self.horizon, self.max_steps)
         self._apply(trainer, self.horizon)
+        if first:
+            rank_zero_info(f"time budget: the lr schedule ends at step {self.horizon} ({per_step:.3g} s per step, "
+                           f"{self.seconds / 60:.3g} minutes{', max_steps ' + str(self.max_steps) if self.max_steps else ''})")
         self._window, self._next_check = (step, now), 2 * step
 
     def _apply(self, trainer: L.Trainer, horizon: int) -> None:

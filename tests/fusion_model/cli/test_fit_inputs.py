@@ -61,6 +61,14 @@ def test_max_time_alone_fits_the_schedule_to_the_budget(tokens, tmp_path):
     assert built.trainer.max_steps == STEPS_UNTIL_MEASURED
 
 
+def test_max_time_with_max_steps_ends_the_schedule_at_whichever_comes_first(tokens, tmp_path):
+    built = _built(tokens, tmp_path, "--trainer.max_steps=2000", "--trainer.max_time=00:00:06:00")
+    budget = next(c for c in built.trainer.callbacks if isinstance(c, training_callbacks.TimeBudget))
+    assert (budget.seconds, budget.max_steps, built.trainer.max_steps) == (360, 2000, 2000)
+    assert not any(isinstance(c, training_callbacks.TimeBudget)
+                   for c in _built(tokens, tmp_path, "--trainer.max_steps=20").trainer.callbacks), "no time limit"
+
+
 def test_max_steps_auto_is_accepted_on_the_command_line(tokens, tmp_path, capsys):
     code = cli.main(["fit", "--config", TINY_YAML, f"--data.train_dir={tokens}", "--data.seq_len=32",
                      f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps", "auto", "--threads=1"])

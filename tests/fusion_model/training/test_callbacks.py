@@ -105,6 +105,16 @@ def test_slow_steps_get_a_horizon_before_the_budget_is_spent_and_the_lr_decays(m
     assert schedule(4) == 1.0 and schedule(10) == pytest.approx(0.1), "peak after warmup, the floor at the horizon"
 
 
+def test_the_configured_max_steps_caps_the_horizon(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(callbacks, "time", clock)
+    trainer = fake_trainer()
+    budget = TimeBudget(minutes=10, measure_steps=40, skip_steps=5, safety=1.0, max_steps=1000)
+    budget.on_train_start(trainer, None)
+    run_steps(budget, trainer, clock, 40, seconds_per_step=0.25)  # 2,400 steps would fit in the budget
+    assert budget.horizon == 1000 == trainer.fit_loop.epoch_loop.max_steps
+
+
 def test_measuring_needs_steps_after_the_skipped_ones():
     with pytest.raises(ValueError, match="measure_steps"):
         TimeBudget(minutes=1, measure_steps=5, skip_steps=5)
