@@ -51,11 +51,19 @@ def max_attention_logit(q: torch.Tensor, k: torch.Tensor, document_ids: torch.Te
 
     q (B, H, T, hd) and k (B, H_kv, T, hd) as the attention kernel sees them (after QK-norm and RoPE); the mask is
     `attention.build_mask`'s (same document, causal, padding attends to itself, image runs both ways when given).
-    Computed in fp32 over chunks of queries, so the (T, T) scores never exist whole.
+    Computed in fp32 (autocast off: bf16 would round the very logits it measures) over chunks of queries, so the
+    (T, T) scores never exist whole.
     """
     batch, heads, length, head_dim = q.shape
     if k.shape[2] != length:
         raise ValueError(f"max_attention_logit: {k.shape[2]} keys for {length} queries; call it without a KV cache")
+    with torch.autocast(q.device.type, enabled=False):
+        return _masked_max(q, k, document_ids, runs, chunk_elements)
+
+
+def _masked_max(q: torch.Tensor, k: torch.Tensor, document_ids: torch.Tensor, runs: torch.Tensor | None,
+                chunk_elements: int) -> torch.Tensor:
+    batch, heads, length, head_dim = q.shape
     keys = k.float().repeat_interleave(heads // k.shape[1], dim=1).transpose(-1, -2)
     queries = q.float() * head_dim**-0.5
     index = torch.arange(length, device=q.device)
@@ -310,8 +318,8 @@ class StabilityMonitor(L.Callback):
                     combined[name] = column.max()
                 elif name.endswith(COUNT):
                     combined[name] = column.sum()
-                elif count is not None:
-                    combined[name] = (column.nan_to_num() * count).sum() / count.sum()
+                elif count is not None:  # a rank without such targets holds NaN there
+                    combined[name] = (torch.where(count > 0, column, 0.0) * count).sum() / count.sum()
                 else:
                     combined[name] = column.mean()
             values = combined
@@ -329,7 +337,7 @@ def _count_name(name: str) -> str | None:
 
 class InstabilityWarning(L.Callback):
     """Early warning on a StabilityMonitor's metrics: warns on rank zero, naming the step, the layer and the quantity,
-    when the max attention logit or the block output RMS of a layer grows more than `growth_factor` times over
+    when the max attention logit or the block output RMS of a layer grows more than `growth_factor` times within
     `window` monitor points, when the mean log Z at text or image targets leaves [-log_z_bound, log_z_bound], or
     when a monitored value is no longer finite. With `save_checkpoint` it also saves
     `<default_root_dir>/checkpoints/warning-step=N.ckpt` right after step N's update (at most once per `window`
@@ -395,9 +403,10 @@ class InstabilityWarning(L.Callback):
                 history = self._history.setdefault(name, deque(maxlen=self.window + 1))
                 history.append(value)
                 then = history[0]
-                if len(history) > self.window and value >= self.floors[quantity] and value > self.growth_factor * then > 0:
+                # compared with the oldest point of the window, full or not: a fast blow-up warns at once
+                if len(history) > 1 and value >= self.floors[quantity] and value > self.growth_factor * then > 0:
                     events.append(self._event(step, quantity, layer, value,
-                                              f"{quantity} grew {value / then:.2f}x over the last {self.window} "
+                                              f"{quantity} grew {value / then:.2f}x over the last {len(history) - 1} "
                                               f"monitor points ({then:.4g} -> {value:.4g})"))
                     history.clear()
                     history.append(value)

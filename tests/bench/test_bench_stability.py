@@ -82,14 +82,17 @@ def test_smoke_run_writes_the_result_the_report_and_its_plots(tmp_path, monkeypa
     for png in ("stability_lr_sweep.png", "stability_top_lr.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({png})" in report
 
-    # a full run's verdict follows the fixed rule: 0.02 nats between the baseline and Chameleon's recipe
+    # a full run's verdict follows the rule fixed beforehand: 6 rates or more, and 0.02 nats between the baseline
+    # and Chameleon's recipe
     full = copy.deepcopy(payload)
     full["config"]["smoke"] = False
+    assert "Too few rates" in stability.markdown(full)
+    full["config"]["rates"] = [1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1]
     full["figures"]["neither"]["lr_sensitivity"]["value"] = 0.31
     full["figures"]["chameleon"]["lr_sensitivity"]["value"] = 0.30
-    assert "does not separate the variants" in stability.markdown(full)
+    assert "does not separate the variants" in "\n".join(stability._reading(full))
     full["figures"]["neither"]["lr_sensitivity"]["value"] = 0.50
-    assert "separates the baseline from Chameleon's recipe" in stability.markdown(full)
+    assert "separates the baseline from Chameleon's recipe" in "\n".join(stability._reading(full))
 
 
 def test_overhead_measurement_times_the_monitor_hooks(one_thread):

@@ -334,6 +334,9 @@ def test_growth_counts_past_its_floor_once_per_window_and_log_z_once_per_crossin
     assert "step 5, layer 3: attn_logit_max grew 2.73x" in layer_events[0]["message"]
     nan = warning.check(7, {name: float("nan")})
     assert nan and "is nan" in nan[0]["message"]
+    # a blow-up warns as soon as it shows, before a long window has filled
+    fast = InstabilityWarning(window=10, min_attn_logit=10.0)
+    assert not fast.check(0, {name: 2.0}) and fast.check(1, {name: 50.0})[0]["step"] == 1
 
 
 def test_bad_settings_and_a_missing_monitor_are_refused(tmp_path):
@@ -362,3 +365,28 @@ def test_the_chameleon_presets_keep_both_monitors_on(preset):
             built[name] = getattr(importlib.import_module(module), name)(**entry.get("init_args", {}))
     assert set(built) == {"StabilityMonitor", "InstabilityWarning"}
     assert 10 <= built["StabilityMonitor"].every_n_steps <= 200
+
+
+def test_ranks_combine_by_max_and_by_target_weighted_means():
+    def stats(logit: float, text_z: float, text_n: float, image_z: float, image_n: float) -> dict:
+        return {"stability/attn_logit_max/layer_0": torch.tensor(logit), "stability/block_rms/layer_0": torch.tensor(2.0),
+                "stability/text/log_z_mean": torch.tensor(text_z), "stability/text/targets": torch.tensor(text_n),
+                "stability/image/log_z_mean": torch.tensor(image_z), "stability/image/targets": torch.tensor(image_n)}
+
+    this_rank, other_rank = stats(3.0, 1.0, 30.0, 5.0, 10.0), stats(7.0, 4.0, 10.0, float("nan"), 0.0)
+
+    class Strategy:
+        def all_gather(self, local):
+            other = torch.stack([other_rank[name] for name in sorted(other_rank)])
+            return torch.stack([local, other])
+
+    class Trainer:
+        world_size, strategy = 2, Strategy()
+
+    combined = StabilityMonitor._gather(Trainer(), this_rank)
+    assert combined.keys() == {"stability/attn_logit_max/layer_0", "stability/block_rms/layer_0",
+                               "stability/text/log_z_mean", "stability/image/log_z_mean"}
+    assert float(combined["stability/attn_logit_max/layer_0"]) == 7.0
+    assert float(combined["stability/text/log_z_mean"]) == pytest.approx((1.0 * 30 + 4.0 * 10) / 40)
+    assert float(combined["stability/image/log_z_mean"]) == 5.0  # the rank without image targets counts for nothing
+    assert float(combined["stability/block_rms/layer_0"]) == 2.0
