@@ -20,6 +20,7 @@ from fusion_model.cli import FIT_SHARED_FLAGS, shared_flags_epilog, translate_sh
 from fusion_model.cli.lightning_options import (
     RUNTIME_OPTIONS_HELP,
     class_path_of,
+    default_loggers,
     entry,
     place_outputs_under_root,
     take_runtime_options,
@@ -55,12 +56,9 @@ class FusionCLI(LightningCLI):
 
     def instantiate_trainer(self, **kwargs):
         """With no logger configured, log TensorBoard (tb/) and CSV (csv/) under trainer.default_root_dir."""
-        trainer = self._get(self.config_init, "trainer", default={})
-        if trainer.get("logger") in (None, True):
-            from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-
-            root = trainer.get("default_root_dir") or DEFAULT_ROOT
-            kwargs["logger"] = [TensorBoardLogger(root, name="tb"), CSVLogger(root, name="csv")]
+        loggers = default_loggers(self._get(self.config_init, "trainer", default={}), DEFAULT_ROOT)
+        if loggers is not None:
+            kwargs["logger"] = loggers
         return super().instantiate_trainer(**kwargs)
 
     def before_fit(self) -> None:

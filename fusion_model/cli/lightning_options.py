@@ -76,6 +76,16 @@ def place_outputs_under_root(config, default_root: str) -> None:
             init["dirpath"] = str(Path(root) / "checkpoints")
 
 
+def default_loggers(trainer_config, default_root: str) -> list | None:
+    """TensorBoard (tb/) and CSV (csv/) under trainer.default_root_dir when the config names no logger, else None."""
+    if trainer_config.get("logger") not in (None, True):
+        return None
+    from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+    root = trainer_config.get("default_root_dir") or default_root
+    return [TensorBoardLogger(root, name="tb"), CSVLogger(root, name="csv")]
+
+
 def class_path_of(item) -> str | None:
     """The class path of a callback/logger entry, or of an already instantiated object."""
     return item.get("class_path") if hasattr(item, "get") else type(item).__module__ + "." + type(item).__name__

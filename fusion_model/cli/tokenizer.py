@@ -11,6 +11,7 @@ from pathlib import Path
 from fusion_model.cli import TOKENIZER_SHARED_FLAGS, shared_flags_epilog, translate_shared_flags
 from fusion_model.cli.lightning_options import (
     RUNTIME_OPTIONS_HELP,
+    default_loggers,
     place_outputs_under_root,
     take_runtime_options,
     use_plain_progress_when_logging_to_a_file,
@@ -109,12 +110,9 @@ def main(argv: list[str] | None = None) -> int:
             place_outputs_under_root(config, DEFAULT_ROOT)
 
         def instantiate_trainer(self, **kwargs):
-            trainer = self._get(self.config_init, "trainer", default={})
-            if trainer.get("logger") in (None, True):
-                from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
-
-                root = trainer.get("default_root_dir") or DEFAULT_ROOT
-                kwargs["logger"] = [TensorBoardLogger(root, name="tb"), CSVLogger(root, name="csv")]
+            loggers = default_loggers(self._get(self.config_init, "trainer", default={}), DEFAULT_ROOT)
+            if loggers is not None:
+                kwargs["logger"] = loggers
             trainer = super().instantiate_trainer(**kwargs)
             for callback in trainer.callbacks:  # one bundle path per run folder, not per logger version
                 if isinstance(callback, ExportTokenizer) and callback.dirpath is None:
