@@ -160,10 +160,11 @@ def _vq_weights(image_tokenizer) -> tuple[dict | None, dict]:
     if type(image_tokenizer).__name__ == "ChameleonVQVAE":
         return image_tokenizer.config.to_dict(), image_tokenizer.state_dict()
     config = getattr(image_tokenizer, "config", None)
-    if getattr(config, "quantizer", None) != "chameleon" or getattr(config, "norm_groups", 32) != 32:
+    if not getattr(config, "chameleon_layout", False):
         raise TypeError(
             f"to_transformers: cannot export the VQ weights of {type(image_tokenizer).__name__}: transformers' "
-            "ChameleonVQVAE needs a Chameleon-layout tokenizer (quantizer='chameleon', GroupNorm 32) "
+            "ChameleonVQVAE needs a Chameleon-layout tokenizer (quantizer='chameleon', GroupNorm 32, one res-block "
+            "count for every encoder level) "
             "or a ChameleonVQVAE itself"
         )
     # our ImageTokenizer keeps transformers' module names for the encoder, quant_conv and post_quant_conv
@@ -184,7 +185,7 @@ def _is_side_bundle(image_tokenizer) -> bool:
     """Whether an image tokenizer is ours but of a layout transformers' ChameleonVQVAE cannot hold."""
     config = getattr(image_tokenizer, "config", None)
     return (hasattr(image_tokenizer, "save_pretrained") and hasattr(config, "grid_shape")
-            and (getattr(config, "quantizer", None) != "chameleon" or getattr(config, "norm_groups", 32) != 32))
+            and not getattr(config, "chameleon_layout", False))
 
 
 def _image_geometry(image_tokenizer) -> tuple[int, int] | None:

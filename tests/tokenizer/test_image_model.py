@@ -133,7 +133,70 @@ def test_config_rejects_unknown_modes_presets_and_keys():
         ImageTokenizerConfig.from_dict({"image_sise": 64})
     with pytest.raises(ValueError, match="divisible"):
         ImageTokenizerConfig(image_size=100)
-    improved = ImageTokenizerConfig.from_preset("demo-64", quantizer="improved")
+    improved = ImageTokenizerConfig.from_preset("chameleon", quantizer="improved")
     assert (improved.embed_dim, improved.kmeans_init, improved.dead_code_threshold) == (8, True, 2.0)
-    chameleon = ImageTokenizerConfig.from_preset("demo-64", quantizer="chameleon")
+    chameleon = ImageTokenizerConfig.from_preset("chameleon")
     assert (chameleon.embed_dim, chameleon.kmeans_init) == (chameleon.latent_channels, False)
+
+
+def _light(resample: str) -> ImageTokenizerConfig:
+    """A CPU-preset shape: no res-blocks at the two highest resolutions (their resampling convs change width)."""
+    return ImageTokenizerConfig(image_size=32, base_channels=8, channel_multiplier=(1, 2, 4, 4),
+                                num_res_blocks=(0, 0, 1, 1), decoder_res_blocks=(0, 0, 1, 2), latent_channels=16,
+                                norm_groups=4, codebook_size=32, resample=resample)
+
+
+@pytest.mark.parametrize("resample", ["vqgan", "strided"])
+def test_levels_without_blocks_still_encode_decode_and_train_every_parameter(resample):
+    tokenizer = ImageTokenizer(_light(resample)).train()
+    assert len(tokenizer.encoder.down[0].block) == 0 and len(tokenizer.decoder.up[3].block) == 2
+    pixels = torch.rand(2, 3, 32, 32) * 2 - 1
+    out = tokenizer(pixels)
+    assert out.codes.shape == (2, 4, 4) and out.reconstruction.shape == pixels.shape
+    (out.reconstruction - pixels).pow(2).mean().backward()
+    dead = [n for n, p in tokenizer.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert not dead, f"no gradient reached {dead}"
+
+
+def test_strided_resampling_is_a_4x4_stride_2_conv_and_transposed_conv():
+    tokenizer = ImageTokenizer(_light("strided"))
+    down, up = tokenizer.encoder.down[0].downsample.conv, tokenizer.decoder.up[1].upsample.conv
+    assert isinstance(up, torch.nn.ConvTranspose2d)
+    assert (down.kernel_size, down.stride, up.kernel_size, up.stride) == ((4, 4), (2, 2), (4, 4), (2, 2))
+    # widths move in the resampling convs of the block-less levels: 8 -> 8 -> 16 down, 16 -> 8 up
+    assert (down.in_channels, down.out_channels) == (8, 8)
+    assert (up.in_channels, up.out_channels) == (16, 8)
+    vqgan = ImageTokenizer(_light("vqgan"))
+    assert vqgan.decoder.up[1].upsample.conv.kernel_size == (3, 3)
+
+
+def test_one_block_count_means_every_level_and_decoders_get_one_more():
+    config = ImageTokenizerConfig(channel_multiplier=(1, 2, 2), image_size=64, num_res_blocks=2)
+    assert config.encoder_blocks == (2, 2, 2) and config.decoder_blocks == (3, 3, 3)
+    config = ImageTokenizerConfig(channel_multiplier=(1, 2, 2), image_size=64, num_res_blocks=[1, 0, 2])
+    assert config.num_res_blocks == (1, 0, 2) and config.decoder_blocks == (2, 1, 3)
+
+
+def test_fields_added_later_leave_older_configs_and_fingerprints_unchanged():
+    plain = ImageTokenizerConfig.from_preset("chameleon").to_dict()
+    assert "decoder_res_blocks" not in plain and "resample" not in plain  # fingerprints hash this JSON
+    light = _light("strided")
+    assert ImageTokenizerConfig.from_dict(light.to_dict()) == light
+    assert light.to_dict()["resample"] == "strided" and light.to_dict()["decoder_res_blocks"] == [0, 0, 1, 2]
+
+
+def test_only_the_chameleon_layout_counts_as_transformers_compatible():
+    assert ImageTokenizerConfig.from_preset("chameleon").chameleon_layout
+    for change in ({"num_res_blocks": (2, 2, 2, 2, 1)}, {"resample": "strided"}, {"quantizer": "improved"}):
+        assert not ImageTokenizerConfig.from_preset("chameleon", **change).chameleon_layout, change
+
+
+def test_config_rejects_bad_block_counts_and_resampling():
+    with pytest.raises(ValueError, match="resample"):
+        ImageTokenizerConfig(resample="pixelshuffle")
+    with pytest.raises(ValueError, match="one per level"):
+        ImageTokenizerConfig(num_res_blocks=(1, 1))
+    with pytest.raises(ValueError, match="num_res_blocks must be >= 0"):
+        ImageTokenizerConfig(num_res_blocks=-1)
+    with pytest.raises(ValueError, match="lowest encoder level changes width"):
+        ImageTokenizerConfig(image_size=64, channel_multiplier=(1, 2), num_res_blocks=(1, 0))

@@ -60,27 +60,39 @@ class AttnBlock(nn.Module):
 
 
 class Downsample(nn.Module):
-    """Stride-2 3x3 conv after padding one pixel on the right and bottom only (torch has no asymmetric padding)."""
+    """Stride-2 3x3 conv after padding one pixel on the right and bottom only (torch has no asymmetric padding);
+    or, `strided`, a 4x4 stride-2 conv with one pixel of padding on every side."""
 
-    def __init__(self, channels: int):
+    def __init__(self, channels: int, out_channels: int | None = None, strided: bool = False):
         super().__init__()
-        self.conv = nn.Conv2d(channels, channels, kernel_size=3, stride=2, padding=0)
+        out_channels = out_channels or channels
+        self.strided = strided
+        if strided:
+            self.conv = nn.Conv2d(channels, out_channels, kernel_size=4, stride=2, padding=1)
+        else:
+            self.conv = nn.Conv2d(channels, out_channels, kernel_size=3, stride=2, padding=0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Halve H and W."""
-        return self.conv(F.pad(x, (0, 1, 0, 1)))
+        return self.conv(x if self.strided else F.pad(x, (0, 1, 0, 1)))
 
 
 class Upsample(nn.Module):
-    """Nearest-neighbour x2 then a 3x3 conv."""
+    """Nearest-neighbour x2 then a 3x3 conv; or, `strided`, a 4x4 stride-2 transposed conv (computed at the input's
+    resolution, a quarter of the work)."""
 
-    def __init__(self, channels: int):
+    def __init__(self, channels: int, out_channels: int | None = None, strided: bool = False):
         super().__init__()
-        self.conv = nn.Conv2d(channels, channels, kernel_size=3, padding=1)
+        out_channels = out_channels or channels
+        self.strided = strided
+        if strided:
+            self.conv = nn.ConvTranspose2d(channels, out_channels, kernel_size=4, stride=2, padding=1)
+        else:
+            self.conv = nn.Conv2d(channels, out_channels, kernel_size=3, padding=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Double H and W."""
-        return self.conv(F.interpolate(x, scale_factor=2.0, mode="nearest"))
+        return self.conv(x if self.strided else F.interpolate(x, scale_factor=2.0, mode="nearest"))
 
 
 class Level(nn.Module):
@@ -131,12 +143,14 @@ class Encoder(nn.Module):
         for i, mult in enumerate(c.channel_multiplier):
             width_in, width = c.base_channels * in_mult[i], c.base_channels * mult
             blocks, attns = [], []
-            for j in range(c.num_res_blocks):
+            for j in range(c.encoder_blocks[i]):
                 blocks.append(ResnetBlock(width_in if j == 0 else width, width, g, c.dropout))
                 if resolution in c.attn_resolutions:
                     attns.append(AttnBlock(width, g))
             last = i == len(c.channel_multiplier) - 1
-            levels.append(Level(blocks, attns, None if last else Downsample(width), "downsample"))
+            # a level without blocks changes width in its downsampling conv
+            down = None if last else Downsample(width if blocks else width_in, width, c.resample == "strided")
+            levels.append(Level(blocks, attns, down, "downsample"))
             resolution = resolution if last else resolution // 2
         self.down = nn.ModuleList(levels)
         width = c.base_channels * c.channel_multiplier[-1]
@@ -165,15 +179,21 @@ class Decoder(nn.Module):
         self.mid = MidBlock(width, g, c.dropout)
         resolution = c.image_size // c.downsample_factor
         levels: list[Level] = []
+        blocks_per_level = c.decoder_blocks
         for i in reversed(range(len(mults))):  # built lowest resolution first, stored as up[0] = highest
             width_out = c.base_channels * mults[i]
             blocks, attns = [], []
-            for j in range(c.num_res_blocks + 1):
+            for j in range(blocks_per_level[i]):
                 blocks.append(ResnetBlock(width if j == 0 else width_out, width_out, g, c.dropout))
                 if resolution in c.attn_resolutions:
                     attns.append(AttnBlock(width_out, g))
-            width = width_out
-            levels.insert(0, Level(blocks, attns, Upsample(width) if i > 0 else None, "upsample"))
+            width = width_out if blocks else width
+            up = None
+            if i > 0:
+                # the upsampling conv keeps the width (VQGAN), or sets the next level's when that has no blocks
+                target = width_out if blocks_per_level[i - 1] else c.base_channels * mults[i - 1]
+                up, width = Upsample(width, target, c.resample == "strided"), target
+            levels.insert(0, Level(blocks, attns, up, "upsample"))
             resolution = resolution * 2 if i > 0 else resolution
         self.up = nn.ModuleList(levels)
         self.norm_out = _norm(width, g)
