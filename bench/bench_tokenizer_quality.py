@@ -38,14 +38,6 @@ PHOTO_HELD_OUT = 512  # docs/results/image_tokenizer.md's held-out crops
 CODEBOOK_SIZE = 512
 BASELINE_LR = 1e-3
 BASELINE_EMBED_DIM = 64  # the VQ-VAE paper's code dimension
-# What this bench's investigation proposes for digits (docs/results/image_tokenizer.md), measured next to the
-# preset; not a preset yet, the lead decides: 8 channels at 64 and 32 px (the full-resolution convolutions
-# cost most of a step), dead-code replacement only for codes unused for a few hundred steps (at threshold 2 a
-# batch of 512 vectors re-samples half the codebook every step), and the squared error that PSNR measures.
-PROPOSED: dict[str, Any] = {
-    "overrides": {"base_channels": 8, "channel_multiplier": (1, 1, 2, 4, 8), "dead_code_threshold": 0.05},
-    "recon_loss": "l2",
-}
 RESTART_BELOW = 0.03  # EMA hits per step under which a baseline code is restarted (~350 steps unused)
 
 
@@ -316,14 +308,14 @@ def train_baseline(task: Task, seconds: float, seed: int, width: int) -> dict:
     return _row(float(psnr(reconstruction, task.held_out).mean()), used, steps, cpu, wall, parameter_count(model))
 
 
-TRAINED_MODELS = ("preset", "proposed", "plain_vqvae")
+TRAINED_MODELS = ("preset", "plain_vqvae")
 
 
 def train_model(model: str, task: Task, seconds: float, seed: int, baseline_width: int) -> dict:
     """Train and score one of TRAINED_MODELS."""
     if model == "plain_vqvae":
         return train_baseline(task, seconds, seed, baseline_width)
-    return train_ours(task, seconds, seed, PROPOSED if model == "proposed" else None)
+    return train_ours(task, seconds, seed)
 
 
 def _row(psnr_db: float, codes_used: int, steps: int, cpu_s: float, wall_s: float, parameters: int) -> dict:
@@ -385,7 +377,7 @@ def run(smoke: bool = False, seconds: dict[str, float] | None = None, seed: int 
         "config": {
             "budget": "equal CPU time per model (time.process_time of the training loop; data loading included, "
             "evaluation excluded)", "budget_cpu_s": budgets, "torch_threads": torch.get_num_threads(),
-            "recipes": recipes, "proposed": PROPOSED, "baseline_width": widths, "baseline_lr": BASELINE_LR,
+            "recipes": recipes, "baseline_width": widths, "baseline_lr": BASELINE_LR,
             "baseline": "plain VQ-VAE: 4 stride-2 convs + 2 residual blocks each way, Euclidean EMA codebook "
             f"512 x {BASELINE_EMBED_DIM} (decay 0.99, beta 0.25), straight-through, MSE, Adam",
             "held_out_images": {name: int(f) for name, f in _held_out_counts(figures, smoke).items()},
@@ -404,7 +396,6 @@ def _held_out_counts(figures: dict, smoke: bool) -> dict[str, int]:
 
 MODEL_LABELS = {
     "preset": "our preset",
-    "proposed": "proposed (8 channels at 64/32 px, dead codes < 0.05, L2)",
     "plain_vqvae": "plain VQ-VAE",
     "mean_colour_image": "mean colour per image",
     "mean_colour_16px": "mean colour per 16x16 patch (4x4 grid)",

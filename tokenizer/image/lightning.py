@@ -34,10 +34,10 @@ class ImageTokenizerModule(L.LightningModule):
         preset: str = "demo-64",
         overrides: dict[str, Any] | None = None,
         learning_rate: float = 1e-3,
-        betas: tuple[float, float] = (0.5, 0.9),
+        betas: tuple[float, float] = (0.9, 0.99),  # VQGAN's (0.5, 0.9) is for GAN training: set it with disc_weight
         weight_decay: float = 0.0,
         warmup_steps: int = 100,
-        recon_loss: str = "l1",
+        recon_loss: str = "l2",  # the squared error PSNR measures (+0.6 dB over l1 on digits at equal time)
         recon_weight: float = 1.0,
         perceptual_weight: float = 0.0,
         perceptual_weights: str | None = None,
