@@ -118,28 +118,30 @@ class EMACodebook(nn.Module):
 
 
 class PlainVQVAE(nn.Module):
-    """Textbook VQ-VAE for 64-px images -> 4x4 codes: four stride-2 convs and two residual blocks each way."""
+    """Textbook VQ-VAE: `downsamplings` stride-2 4x4 convs (4: 64 px -> 4x4 codes) and two residual blocks each way."""
 
-    def __init__(self, width: int, embed_dim: int = BASELINE_EMBED_DIM, codebook_size: int = CODEBOOK_SIZE):
+    def __init__(self, width: int, embed_dim: int = BASELINE_EMBED_DIM, codebook_size: int = CODEBOOK_SIZE,
+                 downsamplings: int = 4):
         super().__init__()
-        quarter, half = width // 4, width // 2
+        if not 1 <= downsamplings <= 4:
+            raise ValueError(f"PlainVQVAE: downsamplings must be 1..4, got {downsamplings}")
+        widths = [width // 4, width // 2, width, width][4 - downsamplings:]  # narrowest at full resolution
+        down: list[nn.Module] = []
+        for w_in, w_out in zip([3, *widths[:-1]], widths):
+            down += [nn.Conv2d(w_in, w_out, 4, 2, 1), nn.ReLU()]
         self.encoder = nn.Sequential(
-            nn.Conv2d(3, quarter, 4, 2, 1), nn.ReLU(),
-            nn.Conv2d(quarter, half, 4, 2, 1), nn.ReLU(),
-            nn.Conv2d(half, width, 4, 2, 1), nn.ReLU(),
-            nn.Conv2d(width, width, 4, 2, 1), nn.ReLU(),
-            nn.Conv2d(width, width, 3, padding=1),
+            *down, nn.Conv2d(width, width, 3, padding=1),
             ResidualBlock(width, width), ResidualBlock(width, width), nn.ReLU(),
             nn.Conv2d(width, embed_dim, 1),
         )  # fmt: skip
         self.codebook = EMACodebook(codebook_size, embed_dim)
+        up: list[nn.Module] = []
+        for w_in, w_out in zip(reversed(widths), [*reversed(widths[:-1]), 3]):
+            up += [nn.ConvTranspose2d(w_in, w_out, 4, 2, 1), nn.ReLU()]
         self.decoder = nn.Sequential(
             nn.Conv2d(embed_dim, width, 3, padding=1),
             ResidualBlock(width, width), ResidualBlock(width, width), nn.ReLU(),
-            nn.ConvTranspose2d(width, width, 4, 2, 1), nn.ReLU(),
-            nn.ConvTranspose2d(width, half, 4, 2, 1), nn.ReLU(),
-            nn.ConvTranspose2d(half, quarter, 4, 2, 1), nn.ReLU(),
-            nn.ConvTranspose2d(quarter, 3, 4, 2, 1),
+            *up[:-1],  # no ReLU after the last transposed conv: pixels are in [-1, 1]
         )  # fmt: skip
 
     def forward(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -153,11 +155,11 @@ def parameter_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def matched_width(target: int) -> int:
+def matched_width(target: int, downsamplings: int = 4) -> int:
     """The baseline width (a multiple of 8) whose parameter count is closest to `target`."""
-    previous = (16, parameter_count(PlainVQVAE(16)))
+    previous = (16, parameter_count(PlainVQVAE(16, downsamplings=downsamplings)))
     for width in range(24, 1025, 8):  # the count grows with the width: stop at the first one past the target
-        count = parameter_count(PlainVQVAE(width))
+        count = parameter_count(PlainVQVAE(width, downsamplings=downsamplings))
         if count >= target:
             return width if count - target < target - previous[1] else previous[0]
         previous = (width, count)
@@ -281,12 +283,12 @@ def train_ours(task: Task, seconds: float, seed: int, changes: dict[str, Any] | 
                 parameter_count(module.tokenizer))
 
 
-def train_baseline(task: Task, seconds: float, seed: int, width: int) -> dict:
+def train_baseline(task: Task, seconds: float, seed: int, width: int, downsamplings: int = 4) -> dict:
     """The plain VQ-VAE: Adam, MSE + commitment, the same training batches as ours."""
     from tokenizer.image.losses import psnr
 
     torch.manual_seed(seed)
-    model = PlainVQVAE(width)
+    model = PlainVQVAE(width, downsamplings=downsamplings)
     optimizer = torch.optim.Adam(model.parameters(), lr=BASELINE_LR)
     batches = endless(task.train_loader)
     steps, cpu, wall = 0, time.process_time(), time.perf_counter()
@@ -311,10 +313,10 @@ def train_baseline(task: Task, seconds: float, seed: int, width: int) -> dict:
 TRAINED_MODELS = ("preset", "plain_vqvae")
 
 
-def train_model(model: str, task: Task, seconds: float, seed: int, baseline_width: int) -> dict:
-    """Train and score one of TRAINED_MODELS."""
+def train_model(model: str, task: Task, seconds: float, seed: int, baseline_width: int, downsamplings: int = 4) -> dict:
+    """Train and score one of TRAINED_MODELS (the baseline with our preset's code grid)."""
     if model == "plain_vqvae":
-        return train_baseline(task, seconds, seed, baseline_width)
+        return train_baseline(task, seconds, seed, baseline_width, downsamplings)
     return train_ours(task, seconds, seed)
 
 
@@ -326,15 +328,16 @@ def _row(psnr_db: float, codes_used: int, steps: int, cpu_s: float, wall_s: floa
     }  # fmt: skip
 
 
-def mean_colour_rows(held_out: torch.Tensor) -> dict[str, dict]:
-    """PSNR of each image replaced by its mean colour, and by the mean colour of each 16x16 patch (4x4 grid)."""
+def mean_colour_rows(held_out: torch.Tensor, patch: int = 16) -> dict[str, dict]:
+    """PSNR of each image replaced by its mean colour, and by the mean colour of each patch x patch square (one
+    continuous colour where the tokenizer has one code)."""
     from tokenizer.image.losses import psnr
 
     image_mean = held_out.mean(dim=(2, 3), keepdim=True).expand_as(held_out)
-    patch_mean = F.interpolate(F.avg_pool2d(held_out, 16), scale_factor=16, mode="nearest")
+    patch_mean = F.interpolate(F.avg_pool2d(held_out, patch), scale_factor=patch, mode="nearest")
     return {
         "mean_colour_image": {"psnr_db": round(float(psnr(image_mean, held_out).mean()), 3)},
-        "mean_colour_16px": {"psnr_db": round(float(psnr(patch_mean, held_out).mean()), 3)},
+        "mean_colour_patch": {"psnr_db": round(float(psnr(patch_mean, held_out).mean()), 3), "patch_px": patch},
     }
 
 
@@ -361,14 +364,15 @@ def run(smoke: bool = False, seconds: dict[str, float] | None = None, seed: int 
             continue
         task = make_task(smoke)
         preset = ImageTokenizerConfig.from_preset(task.module_kwargs["preset"], **(task.module_kwargs.get("overrides") or {}))
-        widths[name] = matched_width(parameter_count(ImageTokenizer(preset)))
+        levels = preset.levels - 1  # stride-2 steps: the baseline gets the same code grid
+        widths[name] = matched_width(parameter_count(ImageTokenizer(preset)), levels)
         print(f"bench {NAME}: {name}, {budgets[name]:g} CPU s per model", file=sys.stderr, flush=True)
         figures[name] = {}
         for model in TRAINED_MODELS:
-            row = figures[name][model] = train_model(model, task, budgets[name], seed, widths[name])
+            row = figures[name][model] = train_model(model, task, budgets[name], seed, widths[name], levels)
             print(f"bench {NAME}: {name} {model}: {row['psnr_db']:.2f} dB, {row['codes_used']} codes, "
                   f"{row['steps']} steps", file=sys.stderr, flush=True)
-        figures[name].update(mean_colour_rows(task.held_out))
+        figures[name].update(mean_colour_rows(task.held_out, preset.downsample_factor))
         recipes[name] = task.recipe
     if not figures:
         raise ValueError("every task has a budget of 0 seconds: nothing to measure")
@@ -398,7 +402,7 @@ MODEL_LABELS = {
     "preset": "our preset",
     "plain_vqvae": "plain VQ-VAE",
     "mean_colour_image": "mean colour per image",
-    "mean_colour_16px": "mean colour per 16x16 patch (4x4 grid)",
+    "mean_colour_patch": "mean colour per patch (one per code)",
 }
 
 
@@ -425,7 +429,8 @@ def markdown_table(payload: dict) -> str:
                           f"{row['train_cpu_s']:g}", f"{row['train_wall_s']:g}", f"{row['parameters']:,}"]
             else:
                 cells += ["-"] * 5
-            lines.append(f"| {MODEL_LABELS.get(key, key)} | {' | '.join(cells)} |")
+            label = MODEL_LABELS.get(key, key) + (f", {row['patch_px']} px" if "patch_px" in row else "")
+            lines.append(f"| {label} | {' | '.join(cells)} |")
     return "\n".join(lines) + "\n"
 
 

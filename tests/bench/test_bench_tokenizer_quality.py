@@ -22,6 +22,20 @@ def test_plain_vqvae_has_the_parameter_count_of_the_preset_within_ten_percent():
     assert reconstruction.shape == (2, 3, 64, 64) and codes.shape == (2, 4, 4) and float(loss.detach()) >= 0
 
 
+@pytest.mark.parametrize("downsamplings, side", [(4, 4), (3, 8)])
+def test_plain_vqvae_gives_the_code_grid_it_is_asked_for(downsamplings, side):
+    baseline = quality.PlainVQVAE(32, downsamplings=downsamplings)
+    reconstruction, codes, _ = baseline(torch.zeros(2, 3, 64, 64))
+    assert reconstruction.shape == (2, 3, 64, 64) and codes.shape == (2, side, side)
+
+
+def test_the_patch_mean_baseline_is_exact_on_images_made_of_flat_patches():
+    patches = torch.rand(2, 3, 8, 8) * 2 - 1
+    images = patches.repeat_interleave(8, dim=2).repeat_interleave(8, dim=3)  # 64 px, flat 8 px squares
+    rows = quality.mean_colour_rows(images, patch=8)
+    assert rows["mean_colour_patch"]["psnr_db"] > 80 and rows["mean_colour_image"]["psnr_db"] < 30
+
+
 def test_codebook_starts_from_batch_vectors_and_passes_gradients_straight_through():
     torch.manual_seed(0)
     codebook = quality.EMACodebook(size=16, dim=4)
@@ -67,7 +81,7 @@ def test_smoke_run_on_digits_writes_the_result_and_the_table(tmp_path, monkeypat
     body = json.loads((tmp_path / "tokenizer_quality.json").read_text())
     assert body["config"]["smoke"] is True and body["config"]["torch_threads"] == 1
     digits = body["figures"]["digits"]
-    assert set(digits) == {"preset", "plain_vqvae", "mean_colour_image", "mean_colour_16px"}
+    assert set(digits) == {"preset", "plain_vqvae", "mean_colour_image", "mean_colour_patch"}
     for model in ("preset", "plain_vqvae"):
         row = digits[model]
         assert row["steps"] >= 1 and 1 <= row["codes_used"] <= 512 and math.isfinite(row["psnr_db"])

@@ -26,7 +26,7 @@ def test_chameleon_preset_maps_512px_to_32x32_codes_below_8192():
     assert 0 <= int(codes.min()) and int(codes.max()) < 8192
 
 
-@pytest.mark.parametrize("preset, side", [("demo-64", 4), ("small-128", 8)])
+@pytest.mark.parametrize("preset, side", [("demo-64", 4), ("photos-64", 8), ("small-128", 8)])
 def test_small_presets_encode_and_decode_at_their_sizes(preset, side):
     tokenizer = ImageTokenizer(ImageTokenizerConfig.from_preset(preset)).eval()
     size = tokenizer.config.image_size
