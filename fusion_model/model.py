@@ -174,6 +174,17 @@ class KVCache:
         self.length = 0
         self.document_ids.fill_(-1)
 
+    def truncate(self, length: int) -> None:
+        """Forget every cached token from `length` on (speculative decoding's rollback of rejected drafts).
+
+        The keys before `length` stay valid: causal attention never let them see the tokens after (unless
+        image_bidirectional let image tokens fed in one forward see each other).
+        """
+        if not 0 <= length <= self.length:
+            raise ValueError(f"KVCache.truncate: length {length} is outside [0, {self.length}] (the cached tokens)")
+        self.document_ids[:, length : self.length] = -1
+        self.length = length
+
     def reserve(self, document_ids: torch.Tensor, position_ids: torch.Tensor) -> None:
         """Record the metadata of the next T tokens (called once per forward, before the layers)."""
         batch, length = document_ids.shape

@@ -23,6 +23,9 @@ class SamplingConfig:
     Guidance (image tokens only): two-stream `u + cfg_scale·(c − u)` when cfg_scale != 1 (or when
     unconditional prompts are passed explicitly); three-stream
     `u + cfg_image_scale·(img − u) + cfg_text_scale·(full − img)` when both of those are set.
+
+    speculative_window N >= 2 turns on speculative Jacobi decoding inside images (fusion_model.speculative):
+    each forward checks N drafted image codes, the same distribution as plain sampling in fewer forwards.
     """
 
     mode: str = "interleaved"  # "text" | "image" (text-to-image: one image, <boi> forced) | "interleaved"
@@ -41,6 +44,7 @@ class SamplingConfig:
     image_grid: tuple[int, int] | None = None  # (h, w) codes per image; generate() takes the tokenizer's
     stop_at_eos: bool = True
     use_kv_cache: bool = True  # False recomputes the whole sequence every step (the reference path)
+    speculative_window: int = 0  # 0: one token per forward; N >= 2: N image-code drafts checked per forward
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -66,6 +70,11 @@ class SamplingConfig:
             self.image_grid = (int(self.image_grid[0]), int(self.image_grid[1]))
             if min(self.image_grid) < 1:
                 raise ValueError(f"SamplingConfig.image_grid={self.image_grid} must be positive")
+        if self.speculative_window != 0 and self.speculative_window < 2:
+            raise ValueError(
+                f"SamplingConfig.speculative_window={self.speculative_window} must be 0 (off) or >= 2 "
+                "(the image-code drafts checked per forward pass)"
+            )
 
     @classmethod
     def chameleon(cls, **overrides: Any) -> SamplingConfig:
@@ -347,9 +356,13 @@ class ModalityRules:
         inside = torch.where((self.codes_done < self.n_codes)[:, None], self.is_image, self.eoi_only)
         return torch.where(self.in_image[:, None], inside, outside)
 
-    def advance(self, token: torch.Tensor) -> None:
-        """Take one token per prompt (prompts already done ignore theirs) and move each state on."""
-        live = ~self.done
+    def advance(self, token: torch.Tensor, take: torch.Tensor | None = None) -> None:
+        """Take one token per prompt (prompts already done ignore theirs) and move each state on.
+
+        take: which prompts take their token (default all); speculative decoding commits a different number
+        of tokens per prompt in one forward.
+        """
+        live = ~self.done if take is None else ~self.done & take
         self.n_new += live.long()
         closes = live & self.in_image & (token == self.eoi_id)
         self.codes_done = torch.where(live & self.in_image & ~closes, self.codes_done + 1, self.codes_done)
@@ -412,6 +425,25 @@ def _sample(
     return choose_tokens(truncate_logits(logits, top_k, top_p), temperature.float(), generator)
 
 
+def _next_tokens(
+    logits: torch.Tensor,
+    n_prompts: int,
+    rules: ModalityRules,
+    seen: _SeenText | None,
+    config: SamplingConfig,
+    generator: torch.Generator | None,
+    pad_id: int,
+) -> torch.Tensor:
+    """One id per prompt from the rows' logits (rows, V): guidance, repetition penalty, modality rules, sampling."""
+    scores = _guided(logits.float(), n_prompts, rules.in_image, config)
+    if seen is not None:  # text tokens only
+        text_seen = seen.seen & ~rules.in_image[:, None]
+        scores = apply_repetition_penalty(scores, text_seen, config.repetition_penalty)
+    scores = scores.masked_fill(~rules.allowed(), float("-inf"))
+    token = _sample(scores, rules.in_image, config, generator)
+    return torch.where(rules.done, torch.full_like(token, pad_id), token)
+
+
 @torch.inference_mode()
 def generate_ids(
     model: torch.nn.Module,
@@ -421,12 +453,15 @@ def generate_ids(
     *,
     uncond_prompts: list[list[int]] | None = None,
     image_cond_prompts: list[list[int]] | None = None,
+    stats: dict | None = None,
 ) -> list[list[int]]:
     """Continue each prompt (ids, usually starting `<s>`); returns the new ids of each.
 
     All streams (conditional, unconditional, image-conditional) of all prompts are rows of one batch,
     so a step is one forward pass over a preallocated KV cache; every stream of a prompt receives the
     token chosen for that prompt. Default streams: u = `<s>`; img = `<s>` + the prompt's images.
+    stats, when given, receives `forwards` (forward passes, the prefill included) and `image_tokens` (image
+    codes generated, all prompts together).
     """
     check_compatible(model=model.config, vocab=vocab)
     if not prompts:
@@ -444,34 +479,63 @@ def generate_ids(
     was_training = model.training
     model.eval()
     try:
-        decoder = _Decoder(model, streams.rows, vocab.pad_id, rules.steps, config.use_kv_cache, device)
-        logits = decoder.prefill()
-        for step in range(rules.steps):
-            scores = _guided(logits.float(), streams.n_prompts, rules.in_image, config)
-            if seen is not None:  # text tokens only
-                text_seen = seen.seen & ~rules.in_image[:, None]
-                scores = apply_repetition_penalty(scores, text_seen, config.repetition_penalty)
-            scores = scores.masked_fill(~rules.allowed(), float("-inf"))
-            token = _sample(scores, rules.in_image, config, generator)
-            token = torch.where(rules.done, torch.full_like(token, vocab.pad_id), token)
-            out[:, step] = token
-            if seen is not None:
-                seen.add(token, ~rules.done)
-            rules.advance(token)
-            if rules.all_done or step == rules.steps - 1:
-                break
-            logits = decoder.step(token.repeat(streams.n_streams), ~rules.done.repeat(streams.n_streams))
+        if config.speculative_window:
+            # imported here: fusion_model.speculative builds on this module's pieces
+            from fusion_model.speculative import speculative_decode
+
+            forwards = speculative_decode(model, vocab, streams, rules, seen, config, generator, out)
+        else:
+            forwards = _plain_decode(model, vocab, streams, rules, seen, config, generator, out)
     finally:
         model.train(was_training)
+    if stats is not None:
+        generated = torch.arange(out.shape[1], device=device)[None, :] < rules.n_new[:, None]
+        stats["forwards"] = forwards
+        stats["image_tokens"] = int((rules.is_image[out] & generated).sum())
     return [row[:count] for row, count in zip(out.tolist(), rules.n_new.tolist())]
+
+
+def _plain_decode(
+    model: torch.nn.Module,
+    vocab: Any,
+    streams: Streams,
+    rules: ModalityRules,
+    seen: _SeenText | None,
+    config: SamplingConfig,
+    generator: torch.Generator | None,
+    out: torch.Tensor,
+) -> int:
+    """One token per prompt per forward until every prompt is done; fills `out`, returns the forwards made."""
+    decoder = _Decoder(model, streams.rows, vocab.pad_id, rules.steps, config.use_kv_cache, out.device)
+    logits = decoder.prefill()
+    forwards = 1
+    for step in range(rules.steps):
+        token = _next_tokens(logits, streams.n_prompts, rules, seen, config, generator, vocab.pad_id)
+        out[:, step] = token
+        if seen is not None:
+            seen.add(token, ~rules.done)
+        rules.advance(token)
+        if rules.all_done or step == rules.steps - 1:
+            break
+        logits = decoder.step(token.repeat(streams.n_streams), ~rules.done.repeat(streams.n_streams))
+        forwards += 1
+    return forwards
 
 
 class _Decoder:
     """Feeds tokens to the model for all rows in lockstep, with or without a KV cache; returns last logits."""
 
     def __init__(
-        self, model: torch.nn.Module, rows: list[list[int]], pad_id: int, steps: int, use_cache: bool, device
+        self,
+        model: torch.nn.Module,
+        rows: list[list[int]],
+        pad_id: int,
+        steps: int,
+        use_cache: bool,
+        device,
+        extra_cache: int = 0,
     ):
+        """extra_cache: cache slots beyond prompt + steps (speculative decoding's drafts and holes)."""
         self.model, self.pad_id, self.use_cache = model, pad_id, use_cache
         width = max(len(r) for r in rows)
         n = len(rows)
@@ -485,7 +549,7 @@ class _Decoder:
             self.pos[i, width - len(r) :] = torch.arange(len(r), device=device)
         self.next_pos = torch.tensor([len(r) for r in rows], device=device)
         self.max_pos = int(model.config.max_seq_len) - 1
-        self.cache = model.new_kv_cache(n, width + steps, device=device) if use_cache else None
+        self.cache = model.new_kv_cache(n, width + steps + extra_cache, device=device) if use_cache else None
 
     def prefill(self) -> torch.Tensor:
         """Run the prompts; the logits at every row's last token, (rows, V)."""

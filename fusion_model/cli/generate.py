@@ -39,6 +39,8 @@ SAMPLING_HELP: dict[str, str] = {
     "seed": "random seed (batch k uses seed + k)",
     "stop_at_eos": "keep sampling after </s>",
     "use_kv_cache": "recompute the whole sequence each step (slow; for checks)",
+    "speculative_window": "speculative Jacobi decoding inside images: N >= 2 drafted codes checked per forward pass, "
+                          "the same distribution in fewer passes (greedy: the same tokens); 0 = off",
 }
 # Where a field's option differs from the generated `--field-name` / `--no-field-name` (kept for compatibility).
 FLAG_NAMES = {"stop_at_eos": "--no-eos-stop", "use_kv_cache": "--no-kv-cache"}

@@ -1,0 +1,298 @@
+"""Speculative Jacobi decoding: greedy ids equal the plain sampler's, sampled images follow its exact distribution,
+fewer forwards when codes are predictable, and KVCache.truncate rolls back exactly."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import pytest
+import torch
+
+import fusion_model.speculative as speculative
+from fusion_model.config import FusionConfig
+from fusion_model.model import FusionModel
+from fusion_model.sampling import (
+    SamplingConfig,
+    build_streams,
+    generate_ids,
+    mix_guidance,
+    truncate_logits,
+)
+from tokenizer.vocab import train_unified_vocab
+
+# the tiny model and vocabulary of test_sampling.py (test modules cannot import each other under importlib mode)
+CORPUS = ["the cat sat on the mat", "a dog ran far away", "one two three four five six seven"] * 10
+
+
+def tiny_model(vocab, seed: int = 0, context: int = 64, **overrides) -> FusionModel:
+    """A random 2-layer decoder over the test vocabulary (GQA, so the cache path covers kv heads)."""
+    torch.manual_seed(seed)
+    fields = dict(vocab_size=vocab.vocab_size, image_offset=vocab.image_offset, image_codes=vocab.image_codes)
+    config = FusionConfig.from_preset("tiny", **{**fields, "max_seq_len": context, **overrides})
+    return FusionModel(config).eval()
+
+
+def steer(model: FusionModel, vocab, strength: float, generator: torch.Generator) -> FusionModel:
+    """Give the head a random bias, pushed towards <boi>, <eoi>, </s> and image ids (images in interleaved mode)."""
+    head = torch.nn.Linear(model.config.dim, model.config.vocab_size, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.head.weight)
+        head.bias.copy_(torch.randn(model.config.vocab_size, generator=generator))
+        for token in (vocab.boi_id, vocab.eoi_id, vocab.pad_id, vocab.image_placeholder_id):
+            head.bias[token] += strength
+        head.bias[vocab.eos_id] += strength / 3
+        head.bias[vocab.image_offset : vocab.image_offset + vocab.image_codes] += strength / 2
+    model.head = head
+    return model
+
+
+def greedy(**kwargs) -> SamplingConfig:
+    return SamplingConfig(text_temperature=0.0, image_temperature=0.0, **kwargs)
+
+
+def prompts_of(vocab) -> list[list[int]]:
+    """Three prompts of different lengths (left padding matters), one with an image in it."""
+    grid = torch.arange(4).view(2, 2)
+    return [
+        vocab.encode_document(["the cat"], eos=False),
+        vocab.encode_document(["a dog ran far", grid, "one two"], eos=False),
+        [vocab.bos_id],
+    ]
+
+
+GUIDANCE = {"none": {}, "two": {"cfg_scale": 2.0}, "three": {"cfg_image_scale": 1.2, "cfg_text_scale": 3.0}}
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    return train_unified_vocab(CORPUS, vocab_size=320, image_codes=16, num_specials=16)
+
+
+@pytest.fixture(scope="module")
+def few_codes_vocab():
+    """Three image codes, so every image of a small grid can be enumerated."""
+    return train_unified_vocab(CORPUS, vocab_size=320, image_codes=3, num_specials=16)
+
+
+def run(model, vocab, prompts, config) -> tuple[list[list[int]], dict]:
+    stats: dict = {}
+    return generate_ids(model, vocab, prompts, config, stats=stats), stats
+
+
+# ---------------------------------------------------------------- greedy: token for token
+
+
+@pytest.mark.parametrize("guidance", sorted(GUIDANCE))
+@pytest.mark.parametrize("mode", ["image", "interleaved"])
+def test_greedy_speculative_decoding_gives_the_plain_greedy_ids(vocab, mode, guidance):
+    model = steer(tiny_model(vocab, context=96), vocab, 4.25, torch.Generator().manual_seed(1))
+    config = greedy(mode=mode, image_grid=(4, 4), max_new_tokens=None if mode == "image" else 60, **GUIDANCE[guidance])
+    prompts = prompts_of(vocab)[:2]
+    plain, plain_stats = run(model, vocab, prompts, config)
+    assert plain_stats["image_tokens"] >= 16  # an image was made, so the speculative path ran
+    for window in (2, 4, 8):
+        fast, stats = run(model, vocab, prompts, replace(config, speculative_window=window))
+        assert fast == plain, f"window {window}"
+        assert stats["image_tokens"] == plain_stats["image_tokens"]
+        assert stats["forwards"] <= plain_stats["forwards"]
+    recomputed, _ = run(model, vocab, prompts, replace(config, speculative_window=4, use_kv_cache=False))
+    assert recomputed == plain
+
+
+def test_greedy_ids_survive_squeezing_the_holes_out_of_the_cache(vocab, monkeypatch):
+    compactions = []
+    compact = speculative._ChunkDecoder._compact
+
+    def counted(decoder):
+        compactions.append(decoder.cache.length)
+        compact(decoder)
+
+    monkeypatch.setattr(speculative, "HOLE_ROOM", 0.0)  # no spare room: the cache fills with holes and is compacted
+    monkeypatch.setattr(speculative._ChunkDecoder, "_compact", counted)
+    model = steer(tiny_model(vocab, seed=3, context=96), vocab, 4.25, torch.Generator().manual_seed(3))
+    config = greedy(mode="interleaved", image_grid=(4, 4), max_new_tokens=60, cfg_scale=2.0)
+    plain, _ = run(model, vocab, prompts_of(vocab), config)
+    fast, _ = run(model, vocab, prompts_of(vocab), replace(config, speculative_window=4))
+    assert compactions, "the three prompts commit different numbers of codes, so holes should fill the cache"
+    assert fast == plain
+
+
+def test_text_is_sampled_exactly_as_the_plain_sampler_does_for_a_seed(vocab):
+    model = tiny_model(vocab)
+    config = SamplingConfig(mode="text", max_new_tokens=20, seed=5, repetition_penalty=1.3)
+    assert run(model, vocab, prompts_of(vocab), replace(config, speculative_window=4))[0] == run(
+        model, vocab, prompts_of(vocab), config
+    )[0]
+
+
+def test_seeded_speculative_sampling_is_reproducible(vocab):
+    model = steer(tiny_model(vocab), vocab, 4.25, torch.Generator().manual_seed(1))
+    config = SamplingConfig(mode="interleaved", image_grid=(3, 3), max_new_tokens=40, seed=7, speculative_window=4)
+    first, _ = run(model, vocab, prompts_of(vocab), config)
+    assert first == run(model, vocab, prompts_of(vocab), config)[0]
+    assert first != run(model, vocab, prompts_of(vocab), replace(config, seed=8))[0]
+
+
+# ---------------------------------------------------------------- sampling: the exact distribution
+
+
+def exact_image_distribution(model, vocab, prompt, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every image of config.image_grid (codes (n, h·w)) and its probability under the plain sampler's rules.
+
+    Recomputed from whole sequences without a cache: guidance, image ids only, top-k / top-p, temperature.
+    """
+    n_codes = config.image_grid[0] * config.image_grid[1]
+    images = torch.tensor(list(itertools.product(range(vocab.image_codes), repeat=n_codes)))
+    codes = images + vocab.image_offset
+    streams = build_streams(vocab, [prompt], config, model.config.max_seq_len)
+    logits = []
+    for row in streams.rows:
+        ids = torch.cat([torch.tensor(row + [vocab.boi_id]).expand(len(codes), -1), codes], dim=1)
+        logits.append(model(ids)[:, len(row) : len(row) + n_codes])  # from <boi> on: the logits of each code
+    if len(logits) == 1:
+        mixed = logits[0]
+    elif len(logits) == 2:
+        mixed = mix_guidance(logits[0], logits[1], config.cfg_scale)
+    else:
+        mixed = mix_guidance(logits[0], logits[1], config.cfg_image_scale, logits[2], config.cfg_text_scale)
+    flat = mixed.reshape(-1, mixed.shape[-1])
+    flat = flat.masked_fill(~vocab.is_image(torch.arange(flat.shape[-1])), float("-inf"))
+    rows = len(flat)
+    flat = truncate_logits(flat, torch.full((rows,), config.image_top_k), torch.full((rows,), config.image_top_p))
+    probs = (flat / config.image_temperature).softmax(dim=-1).view(len(codes), n_codes, -1)
+    return images, probs.gather(-1, codes[..., None]).squeeze(-1).double().prod(dim=-1)
+
+
+def chi_square_p_value(samples: list[list[int]], vocab, images: torch.Tensor, probability: torch.Tensor) -> float:
+    """Pearson's test of the sampled images against their exact probabilities (bins under 5 expected pooled)."""
+    index = {tuple(image): i for i, image in enumerate(images.tolist())}
+    counts = torch.zeros(len(images), dtype=torch.float64)
+    for ids in samples:
+        assert ids[0] == vocab.boi_id and ids[-1] == vocab.eoi_id
+        counts[index[tuple(t - vocab.image_offset for t in ids[1:-1])]] += 1
+    expected = probability / probability.sum() * counts.sum()
+    if counts[expected == 0].sum() > 0:  # an image the plain sampler can never make
+        return 0.0
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([expected[big], expected[~big].sum()[None]])
+    keep = expected > 0
+    statistic = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    degrees = torch.tensor(float(keep.sum() - 1), dtype=torch.float64)
+    return float(torch.special.gammaincc(degrees / 2, statistic / 2))  # the chi-square survival function
+
+
+# a random model with large weights: its code distributions are spread over the codes yet depend on the codes before
+SAMPLED = {
+    "plain": dict(speculative_window=0),
+    "window 2": dict(speculative_window=2),
+    "window 4, two streams, top-k": dict(speculative_window=4, cfg_scale=2.0, image_top_k=2),
+    "window 3, three streams, top-p, temperature 1.2": dict(
+        speculative_window=3, cfg_image_scale=1.1, cfg_text_scale=1.3, image_top_p=0.95, image_temperature=1.2
+    ),
+}
+
+
+def sampled_images(few_codes_vocab, overrides, n_samples=4000) -> tuple[float, torch.Tensor]:
+    model = tiny_model(few_codes_vocab, context=16, init_std=0.6)
+    prompt = few_codes_vocab.encode_document(["the cat"], eos=False)
+    config = SamplingConfig(mode="image", image_grid=(1, 5), seed=0, **overrides)
+    with torch.no_grad():
+        images, probability = exact_image_distribution(model, few_codes_vocab, prompt, config)
+    # one batch of identical prompts: its rows are independent samples, each committing its own codes per forward
+    samples, stats = run(model, few_codes_vocab, [prompt] * n_samples, config)
+    return chi_square_p_value(samples, few_codes_vocab, images, probability), probability
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLED))
+def test_sampled_images_follow_the_plain_samplers_exact_distribution(few_codes_vocab, name):
+    p_value, probability = sampled_images(few_codes_vocab, SAMPLED[name])
+    assert int((probability * 4000 >= 5).sum()) >= 8, "too few images are likely for the test to have power"
+    assert p_value > 1e-3, f"{name}: chi-square p = {p_value:.2e}"
+
+
+def accept_every_draft(target, drafts, draft_q, window, generator):
+    rows = torch.arange(len(window))
+    return window.clone(), speculative._draw(target[rows, window], generator)
+
+
+def replace_from_p(target, drafts, draft_q, window, generator):
+    accepted, _ = correct_verify(target, drafts, draft_q, window, generator)
+    rows = torch.arange(len(window))
+    return accepted, speculative._draw(target[rows, accepted], generator)
+
+
+correct_verify = speculative._verify
+
+
+@pytest.mark.parametrize("wrong_rule", [accept_every_draft, replace_from_p])
+def test_the_distribution_test_catches_a_biased_acceptance_rule(few_codes_vocab, monkeypatch, wrong_rule):
+    monkeypatch.setattr(speculative, "_verify", wrong_rule)
+    p_value, _ = sampled_images(few_codes_vocab, SAMPLED["window 2"])
+    assert p_value < 1e-6
+
+
+# ---------------------------------------------------------------- forward passes
+
+
+def test_predictable_codes_take_one_forward_per_window(vocab):
+    model = steer(tiny_model(vocab), vocab, 0.0, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model.head.bias[vocab.image_offset + 5] += 40.0  # code 5 wins whatever came before
+    prompts = prompts_of(vocab)[:2]
+    for temperature in (0.0, 1.0):
+        config = SamplingConfig(mode="image", image_grid=(4, 4), image_temperature=temperature, seed=0)
+        plain, plain_stats = run(model, vocab, prompts, config)
+        assert plain_stats == {"forwards": 18, "image_tokens": 32}  # <boi>, 16 codes, <eoi>: one forward each
+        for window in (2, 4, 8):
+            fast, stats = run(model, vocab, prompts, replace(config, speculative_window=window))
+            assert fast == plain
+            # <boi>; the first code by the plain rules; then window + 1 codes per forward; <eoi>
+            assert stats == {"forwards": 2 + -(-15 // (window + 1)) + 1, "image_tokens": 32}
+
+
+@pytest.mark.parametrize("mode", ["image", "interleaved"])
+def test_never_more_forwards_than_the_longest_output(vocab, mode):
+    model = steer(tiny_model(vocab, context=96), vocab, 4.25, torch.Generator().manual_seed(2))
+    for seed, window in itertools.product(range(3), (2, 4, 8)):
+        config = SamplingConfig(mode=mode, image_grid=(4, 4), max_new_tokens=None if mode == "image" else 60,
+                                seed=seed, cfg_scale=2.0, speculative_window=window)
+        out, stats = run(model, vocab, prompts_of(vocab), config)
+        # every forward commits at least one token for every unfinished prompt (the plain sampler: exactly one)
+        assert stats["forwards"] <= max(len(row) for row in out)
+
+
+# ---------------------------------------------------------------- the KV cache
+
+
+def test_truncating_the_cache_and_feeding_again_equals_never_feeding_the_dropped_tokens(vocab):
+    model = tiny_model(vocab)
+    prompt = torch.tensor([vocab.encode_document(["the cat sat"], eos=False)] * 2)
+    rejected = torch.tensor([[vocab.image_offset + 1, vocab.image_offset + 2, vocab.image_offset + 3]] * 2)
+    accepted = torch.tensor([[vocab.image_offset + 4, vocab.image_offset + 5]] * 2)
+    with torch.no_grad():
+        clean = model.new_kv_cache(2, 32)
+        model(prompt, kv_cache=clean)
+        expected = model(accepted, kv_cache=clean)
+        rolled_back = model.new_kv_cache(2, 32)
+        model(prompt, kv_cache=rolled_back)
+        model(torch.cat([accepted[:, :1], rejected], dim=1), kv_cache=rolled_back)
+        rolled_back.truncate(prompt.shape[1] + 1)  # keep the first accepted token, drop the three rejected ones
+        got = model(accepted[:, 1:], kv_cache=rolled_back)
+    torch.testing.assert_close(got, expected[:, 1:])
+    assert rolled_back.length == clean.length
+    with pytest.raises(ValueError, match="outside"):
+        rolled_back.truncate(rolled_back.length + 1)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_bad_speculative_settings_are_refused(vocab):
+    for window in (1, -1):
+        with pytest.raises(ValueError, match="speculative_window"):
+            SamplingConfig(speculative_window=window)
+    model = tiny_model(vocab, image_bidirectional=True)
+    with pytest.raises(ValueError, match="image_bidirectional"):
+        generate_ids(model, vocab, [[vocab.bos_id]], SamplingConfig(mode="image", image_grid=(2, 2), speculative_window=2))
