@@ -27,6 +27,7 @@ DEFAULT_MAX_SECONDS = 900.0
 # benchmarks that need longer than the default kill time (wall seconds); --max-seconds, when given, wins
 TIME_LIMITS_S = {"tokenizer_quality": 7200.0}  # 3 models x (3.5 + 15) CPU-minutes on one thread, plus load
 TIME_LIMITS_S["stability"] = 2400.0  # a 20 CPU-minute budget on one thread, plus load on a shared machine
+TIME_LIMITS_S["speculative"] = 1200.0  # 6,000 one-image generations on one thread (~5 min idle), plus load
 
 
 def discover() -> list[str]:
