@@ -74,4 +74,5 @@ def _progress(total: int, desc: str, enabled: bool):
     """A tqdm progress bar (tqdm ships with Lightning's dependencies)."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, disable=not enabled, leave=False)
+    # disable=None: tqdm turns itself off when stderr is not a terminal (a log file gets no carriage-return bars)
+    return tqdm(total=total, desc=desc, disable=None if enabled else True, leave=False)

@@ -197,7 +197,7 @@ def run_generate(config: DemoConfig, out_dir: Path, progress: bool = True) -> di
         recon_acc = float((classifier.predict(image_tokenizer.decode(test_codes)).numpy() == digits.test_labels).mean())
     n_under = min(settings.understanding_examples, len(digits.test_labels))
     total = n_under + 10 * settings.images_per_caption + settings.arithmetic_examples
-    with tqdm(total=total, desc="generate", disable=not progress, leave=False) as bar:
+    with tqdm(total=total, desc="generate", disable=None if progress else True, leave=False) as bar:  # off in log files
         under = evaluate.understanding(model, vocab, test_codes[:n_under], digits.test_labels[:n_under], bar=bar)
         gen = evaluate.generation(model, vocab, image_tokenizer, classifier, settings, seed=seed, bar=bar)
         inter = evaluate.interleaved(model, vocab, image_tokenizer, classifier, test_codes, digits.test_labels,
