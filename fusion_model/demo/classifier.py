@@ -39,6 +39,18 @@ class DigitClassifier(nn.Module):
         self.train(was_training)
         return out
 
+    @torch.no_grad()
+    def penultimate_features(self, images: torch.Tensor, batch_size: int = 512) -> torch.Tensor:
+        """The 128 activations before the last linear layer (B, 128), in eval mode: the space Fréchet distance and
+        diversity are measured in. (Not named `features`: that is the conv stack, whose state-dict keys must stay.)"""
+        was_training = self.training
+        self.eval()
+        before_logits = self.head[:-1]  # flatten, dropout (off in eval), linear, ReLU
+        out = torch.cat([before_logits(self.features(self.prepare(images[i:i + batch_size])))
+                         for i in range(0, len(images), batch_size)])
+        self.train(was_training)
+        return out
+
 
 def train_classifier(images: torch.Tensor, labels: np.ndarray | torch.Tensor, *, epochs: int = 3,
                      batch_size: int = 64, lr: float = 2e-3, seed: int = 0, progress: bool = True) -> DigitClassifier:

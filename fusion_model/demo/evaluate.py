@@ -16,6 +16,7 @@ from fusion_model.demo.datasets import (
     parse_digit,
     pick_by_label,
 )
+from fusion_model.demo.metrics import frechet_distance, per_group_diversity
 from fusion_model.demo.settings import GenerateSettings
 from fusion_model.sampling import SamplingConfig, generate_ids
 
@@ -85,6 +86,56 @@ def generation(model, vocab, image_tokenizer, classifier, settings: GenerateSett
     correct = (predicted == targets) & complete.numpy()
     return {"targets": targets, "codes": codes, "images": images, "predicted": predicted,
             "complete": complete.numpy(), "accuracy": float(correct.mean()), "count": len(targets)}
+
+
+def _balanced_split(labels: np.ndarray, per_class: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """`per_class` random indices of each label (shaped like one generation pass), and every other index."""
+    subset = np.concatenate([rng.choice(np.flatnonzero(labels == d), min(per_class, int((labels == d).sum())),
+                                        replace=False) for d in np.unique(labels)])
+    return np.sort(subset), np.setdiff1d(np.arange(len(labels)), subset)
+
+
+def _spread_and_distance(classifier, gen: dict, reference: np.ndarray) -> tuple[float, float]:
+    """Fréchet distance to the reference features and per-caption diversity of one generation pass's complete images
+    (an incomplete row decodes from placeholder codes: not a sample of the model's images). NaN below two images."""
+    complete = gen["complete"]
+    if complete.sum() < 2:
+        return float("nan"), float("nan")
+    features = classifier.penultimate_features(gen["images"][torch.as_tensor(complete)]).numpy()
+    return frechet_distance(features, reference), per_group_diversity(features, gen["targets"][complete])
+
+
+def distribution(model, vocab, image_tokenizer, classifier, settings: GenerateSettings, gen: dict,
+                 real_images: torch.Tensor, real_labels: np.ndarray, reconstructed: torch.Tensor, *, seed: int,
+                 batch_size: int = 100, bar=None) -> dict:
+    """Distribution-level scores in the classifier's 128-d penultimate feature space, which accuracy cannot see.
+
+    `gen` (the images `generation` made with the demo's sampling settings) and one more pass of the same size sampled
+    plainly (temperature 1, no top-k, no guidance) are each scored by their Fréchet distance to held-out real digits
+    and by their diversity: the mean pairwise feature distance between images of the same caption, averaged over
+    captions. The real reference is the held-out set minus a class-balanced subset as large as one pass; that subset
+    and its tokenizer reconstructions give the distance a perfect generator would reach (sampling noise alone) and
+    the one a generator bounded by the tokenizer would. `diversity_real` is the same spread over all held-out digits
+    of each class.
+    """
+    plain = replace(settings, temperature=1.0, top_k=0, cfg_scale=1.0)
+    plain_gen = generation(model, vocab, image_tokenizer, classifier, plain, seed=seed + 3, batch_size=batch_size,
+                           bar=bar)
+    real = classifier.penultimate_features(real_images).numpy()
+    subset, rest = _balanced_split(real_labels, settings.images_per_caption, np.random.default_rng(seed + 4))
+    reference = real[rest]
+    fd, spread = _spread_and_distance(classifier, gen, reference)
+    fd_plain, spread_plain = _spread_and_distance(classifier, plain_gen, reference)
+    return {
+        "frechet_distance": fd, "frechet_distance_t1_cfg1": fd_plain,
+        "frechet_distance_real": frechet_distance(real[subset], reference),
+        "frechet_distance_reconstructed": frechet_distance(
+            classifier.penultimate_features(reconstructed[torch.as_tensor(subset)]).numpy(), reference),
+        "frechet_reference_count": len(rest),
+        "diversity": spread, "diversity_t1_cfg1": spread_plain,
+        "diversity_real": per_group_diversity(real, real_labels),
+        "generation_accuracy_t1_cfg1": plain_gen["accuracy"],
+    }
 
 
 def interleaved(model, vocab, image_tokenizer, classifier, test_codes: torch.Tensor, test_labels: np.ndarray,

@@ -121,10 +121,13 @@ def evaluation_section(records: dict[str, dict]) -> str:
         ("generation: classifier recognises the captioned digit", gen["generation_accuracy"], 0.10, 0.80,
          gen["generation_count"]),
         ("interleaved: answer image shows a + b", gen["interleaved_accuracy"], 0.10, "-", gen["interleaved_count"]),
+        *([("generation at temperature 1, no top-k, no guidance (cfg 1)", gen["generation_accuracy_t1_cfg1"], 0.10,
+            "-", gen["generation_count"])] if "generation_accuracy_t1_cfg1" in gen else []),
         ("classifier on real held-out digits (sanity)", gen["classifier_accuracy_real"], 0.10, "-", "-"),
         ("classifier on tokenizer reconstructions (sanity)", gen["classifier_accuracy_reconstructed"], 0.10, "-", "-"),
     ]
     body = table(["held-out evaluation", "accuracy", "chance", "target", "examples"], rows)
+    body += distribution_table(gen)
     body += table(["training", "value"], [
         ("decoder training tokens", int(train["tokens"])),
         ("decoder optimizer steps", int(train["steps"])),
@@ -137,6 +140,35 @@ def evaluation_section(records: dict[str, dict]) -> str:
             f"guidance {sampling['cfg_scale']} (unconditional branch: <s> <boi>); captions decoded greedily. "
             "The classifier is a CNN trained by the demo on real training digits only.")
     return section("Evaluation (held-out digits, never seen in training)", body, note)
+
+
+def distribution_table(gen: dict) -> str:
+    """Fréchet distance and per-caption diversity, each with what a lower or higher value means ('' for a record
+    written before these scores existed)."""
+    if "frechet_distance" not in gen:
+        return ""
+    sampling = gen["sampling"]
+    ours = f"T {sampling['temperature']}, top-k {sampling['top_k']}, cfg {sampling['cfg_scale']}"
+    rows = [
+        (f"Fréchet distance to real digits, {ours}", float(gen["frechet_distance"]),
+         "lower = generated digits match real ones in mean and spread of features"),
+        ("Fréchet distance to real digits, T 1, cfg 1", float(gen["frechet_distance_t1_cfg1"]),
+         "the same for plain sampling from the model"),
+        ("Fréchet distance, real held-out subset of the same size", float(gen["frechet_distance_real"]),
+         "floor: what a perfect generator scores with this few images"),
+        ("Fréchet distance, tokenizer reconstructions of that subset", float(gen["frechet_distance_reconstructed"]),
+         "what a generator limited only by the image tokenizer would score"),
+        (f"diversity within a caption, {ours}", float(gen["diversity"]),
+         "higher = more varied samples per caption; near 0 = near copies of one digit"),
+        ("diversity within a caption, T 1, cfg 1", float(gen["diversity_t1_cfg1"]),
+         "the same for plain sampling from the model"),
+        ("diversity within a class, real held-out digits", float(gen["diversity_real"]),
+         "reference: how varied real digits of one class are"),
+    ]
+    note = (f"<p>Measured on the classifier's 128 penultimate activations. Fréchet distance (as FID) against "
+            f"{gen['frechet_reference_count']} held-out real digits; diversity is the mean pairwise feature distance "
+            "between the images of one caption, averaged over the ten captions.</p>")
+    return note + table(["distribution (classifier features)", "value", "meaning"], rows)
 
 
 def tokenizer_section(record: dict, originals: torch.Tensor, reconstructions: torch.Tensor, psnrs: torch.Tensor) -> str:

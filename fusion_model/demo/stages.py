@@ -193,15 +193,21 @@ def run_generate(config: DemoConfig, out_dir: Path, progress: bool = True) -> di
     test_images = to_model_images(digits.test_images, size)
     with torch.no_grad():
         test_codes = image_tokenizer.encode(test_images)
+        reconstructed = image_tokenizer.decode(test_codes)
         real_acc = float((classifier.predict(test_images).numpy() == digits.test_labels).mean())
-        recon_acc = float((classifier.predict(image_tokenizer.decode(test_codes)).numpy() == digits.test_labels).mean())
+        recon_acc = float((classifier.predict(reconstructed).numpy() == digits.test_labels).mean())
     n_under = min(settings.understanding_examples, len(digits.test_labels))
-    total = n_under + 10 * settings.images_per_caption + settings.arithmetic_examples
+    # the generation pass twice: the demo's sampling settings, then plain sampling for the distribution scores
+    total = n_under + 2 * 10 * settings.images_per_caption + settings.arithmetic_examples
     with tqdm(total=total, desc="generate", disable=None if progress else True, leave=False) as bar:  # off in log files
         under = evaluate.understanding(model, vocab, test_codes[:n_under], digits.test_labels[:n_under], bar=bar)
         gen = evaluate.generation(model, vocab, image_tokenizer, classifier, settings, seed=seed, bar=bar)
         inter = evaluate.interleaved(model, vocab, image_tokenizer, classifier, test_codes, digits.test_labels,
                                      settings, seed=seed, bar=bar)
+        distribution_start = time.perf_counter()
+        spread = evaluate.distribution(model, vocab, image_tokenizer, classifier, settings, gen, test_images,
+                                       digits.test_labels, reconstructed, seed=seed, bar=bar)
+        spread["distribution_seconds"] = time.perf_counter() - distribution_start
     # Everything the report shows, as tensors / lists (loads with weights_only=True).
     atomic_torch_save({
         "understanding_texts": under["texts"], "understanding_labels": torch.as_tensor(digits.test_labels[:n_under]),
@@ -215,7 +221,7 @@ def run_generate(config: DemoConfig, out_dir: Path, progress: bool = True) -> di
             "generation_accuracy": gen["accuracy"], "generation_count": gen["count"],
             "interleaved_accuracy": inter["accuracy"], "interleaved_count": inter["count"],
             "classifier_accuracy_real": real_acc, "classifier_accuracy_reconstructed": recon_acc,
-            "classifier_seconds": classifier_seconds,
+            "classifier_seconds": classifier_seconds, **spread,
             "sampling": {k: getattr(settings, k) for k in ("temperature", "top_k", "cfg_scale")}}
 
 
@@ -345,5 +351,10 @@ def run_report(config: DemoConfig, out_dir: Path, progress: bool = True) -> dict
         "interleaved accuracy": round(gen["interleaved_accuracy"], 4),
         "tokenizer PSNR (dB)": round(records["tokenizer"]["psnr_db"], 2),
         "codebook used": f"{records['tokenizer']['codebook_used']}/{records['tokenizer']['codebook_size']}",
+        **({"Frechet distance (sampling settings / T1 cfg1 / real floor)":
+            " / ".join(f"{gen[k]:.2f}" for k in ("frechet_distance", "frechet_distance_t1_cfg1", "frechet_distance_real")),
+            "per-caption diversity (sampling settings / T1 cfg1 / real)":
+            " / ".join(f"{gen[k]:.2f}" for k in ("diversity", "diversity_t1_cfg1", "diversity_real"))}
+           if "frechet_distance" in gen else {}),
         "decoder training tokens": train["tokens"], "decoder training minutes": round(train["minutes"], 2),
     }}

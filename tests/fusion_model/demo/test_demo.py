@@ -70,6 +70,8 @@ def test_figures_are_above_chance(demo):
     assert generate["classifier_accuracy_real"] > 0.8
     assert generate["understanding_accuracy"] > 2 * CHANCE, generate
     assert generate["generation_accuracy"] > 2 * CHANCE, generate
+    distribution = ("frechet_distance", "frechet_distance_t1_cfg1", "diversity", "diversity_t1_cfg1", "diversity_real")
+    assert all(np.isfinite(generate[key]) for key in distribution), {key: generate.get(key) for key in distribution}
     tokenizer = records["tokenizer"]
     assert tokenizer["psnr_db"] > 13.0  # the mean digit image scores 12.8 dB on every held-out digit
     assert tokenizer["codebook_used"] > 32
