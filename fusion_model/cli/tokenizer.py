@@ -121,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # `args` is how train.py passes the subcommand's arguments; the check that warns about it assumes sys.argv
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")
+    # The module steps its optimizers itself and checkpoints after the step, so Lightning's advice (a 12-line code
+    # sample printed into every log) about saving the state before optimization does not apply
+    warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
     TokenizerCLI(
         ImageTokenizerModule,
         ImageDataModule,
