@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-import fusion_model.speculative as speculative
+import fusion_model.sampling as speculative  # the SJD loop lives in sampling.py
 from fusion_model.config import FusionConfig
 from fusion_model.model import FusionModel
 from fusion_model.sampling import (
