@@ -91,15 +91,16 @@ class ImageTokenizerConfig:
     @property
     def encoder_blocks(self) -> tuple[int, ...]:
         """Res-blocks of each encoder level, highest resolution first."""
-        blocks = self.num_res_blocks
-        return blocks if isinstance(blocks, tuple) else (blocks,) * self.levels
+        return self._per_level(self.num_res_blocks)
 
     @property
     def decoder_blocks(self) -> tuple[int, ...]:
         """Res-blocks of each decoder level, highest resolution first."""
         if self.decoder_res_blocks is None:
             return tuple(n + 1 for n in self.encoder_blocks)
-        blocks = self.decoder_res_blocks
+        return self._per_level(self.decoder_res_blocks)
+
+    def _per_level(self, blocks: int | tuple[int, ...]) -> tuple[int, ...]:
         return blocks if isinstance(blocks, tuple) else (blocks,) * self.levels
 
     @property
