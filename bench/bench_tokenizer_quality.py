@@ -382,7 +382,7 @@ def run(smoke: bool = False, seconds: dict[str, float] | None = None, seed: int 
             "budget": "equal CPU time per model (time.process_time of the training loop; data loading included, "
             "evaluation excluded)", "budget_cpu_s": budgets, "torch_threads": torch.get_num_threads(),
             "recipes": recipes, "baseline_width": widths, "baseline_lr": BASELINE_LR,
-            "baseline": "plain VQ-VAE: one stride-2 4x4 conv per level of our preset (the same code grid) + 2 residual blocks each way, Euclidean EMA codebook "
+            "baseline": "plain VQ-VAE: a stride-2 4x4 conv per downsampling of our preset (the same code grid) + 2 residual blocks each way, Euclidean EMA codebook "
             f"512 x {BASELINE_EMBED_DIM} (decay 0.99, beta 0.25), straight-through, MSE, Adam",
             "held_out_images": {name: int(f) for name, f in _held_out_counts(figures, smoke).items()},
             "seed": seed, "smoke": smoke,
