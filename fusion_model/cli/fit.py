@@ -21,6 +21,7 @@ from fusion_model.cli.lightning_options import (
     RUNTIME_OPTIONS_HELP,
     class_path_of,
     default_loggers,
+    end_process_group,
     entry,
     place_outputs_under_root,
     take_runtime_options,
@@ -220,4 +221,6 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteLossError as err:  # the run failed after it started: exit 1 (bad input exits 2 in train.py)
         print(f"train.py fit: {err}", file=sys.stderr)
         return 1
+    finally:
+        end_process_group()
     return 0

@@ -12,6 +12,7 @@ from fusion_model.cli import TOKENIZER_SHARED_FLAGS, shared_flags_epilog, transl
 from fusion_model.cli.lightning_options import (
     RUNTIME_OPTIONS_HELP,
     default_loggers,
+    end_process_group,
     place_outputs_under_root,
     take_runtime_options,
     use_plain_progress_when_logging_to_a_file,
@@ -124,14 +125,17 @@ def main(argv: list[str] | None = None) -> int:
     # The module steps its optimizers itself and checkpoints after the step, so Lightning's advice (a 12-line code
     # sample printed into every log) about saving the state before optimization does not apply
     warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
-    TokenizerCLI(
-        ImageTokenizerModule,
-        ImageDataModule,
-        args=translate_shared_flags(argv, TOKENIZER_SHARED_FLAGS),
-        trainer_defaults={"callbacks": [ExportTokenizer()], "default_root_dir": DEFAULT_ROOT},
-        save_config_kwargs={"overwrite": True},
-        seed_everything_default=0,
-        parser_kwargs={name: {"epilog": shared_flags_epilog(TOKENIZER_SHARED_FLAGS) + " " + RUNTIME_OPTIONS_HELP}
-                       for name in LIGHTNING_SUBCOMMANDS},
-    )
+    try:
+        TokenizerCLI(
+            ImageTokenizerModule,
+            ImageDataModule,
+            args=translate_shared_flags(argv, TOKENIZER_SHARED_FLAGS),
+            trainer_defaults={"callbacks": [ExportTokenizer()], "default_root_dir": DEFAULT_ROOT},
+            save_config_kwargs={"overwrite": True},
+            seed_everything_default=0,
+            parser_kwargs={name: {"epilog": shared_flags_epilog(TOKENIZER_SHARED_FLAGS) + " " + RUNTIME_OPTIONS_HELP}
+                           for name in LIGHTNING_SUBCOMMANDS},
+        )
+    finally:
+        end_process_group()
     return 0
