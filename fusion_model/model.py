@@ -150,6 +150,7 @@ class AttentionContext:
     block_mask: object = None  # flex BlockMask
     document_ids: torch.Tensor | None = None  # for xformers
     cache: KVCache | None = None
+    slot: torch.Tensor | None = None  # decode_hidden: the cache index (0-d) the one new token is written at
 
 
 class KVCache:
@@ -198,8 +199,19 @@ class KVCache:
         self.document_ids[:, self.length : self.length + length] = document_ids
         self.positions[:, self.length : self.length + length] = position_ids
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this layer's new keys/values at `length`; return all keys/values up to the new end."""
+    def record_at(self, slot: torch.Tensor, document_ids: torch.Tensor, position_ids: torch.Tensor) -> None:
+        """Record one token per row at cache index `slot` (0-d tensor): the static-shape decode step's reserve."""
+        self.document_ids.index_copy_(1, slot.view(1), document_ids[:, None])
+        self.positions.index_copy_(1, slot.view(1), position_ids[:, None])
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+               slot: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this layer's new keys/values at `length` and return all keys/values up to the new end; with `slot`
+        (0-d tensor, one new token) write there and return the whole buffers (fixed shapes, no host sync)."""
+        if slot is not None:
+            self.keys[layer].index_copy_(2, slot.view(1), k)
+            self.values[layer].index_copy_(2, slot.view(1), v)
+            return self.keys[layer], self.values[layer]
         end = self.length + k.shape[2]
         self.keys[layer][:, :, self.length : end] = k
         self.values[layer][:, :, self.length : end] = v
@@ -231,7 +243,7 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if ctx.cache is not None:
-            k, v = ctx.cache.update(self.layer, k, v)
+            k, v = ctx.cache.update(self.layer, k, v, ctx.slot)
         if self.observer is not None:
             self.observer(self, q, k, ctx)  # the module, not self.layer: compile would specialise on the int
         if ctx.backend == "flex":
@@ -379,6 +391,23 @@ class FusionModel(nn.Module):
         if kv_cache is not None:
             kv_cache.length += input_ids.shape[1]
         return self.norm(x)
+
+    def decode_hidden(self, token: torch.Tensor, position: torch.Tensor, document: torch.Tensor, slot: torch.Tensor,
+                      kv_cache: KVCache) -> torch.Tensor:
+        """The decode path: one new token per row (B,) written at cache index `slot` (0-d tensor); normed hidden
+        (B, dim). Every shape is fixed (the query attends over the whole preallocated cache, masked by the cached
+        document ids) and nothing is read back to the host, so the step compiles to one graph. Prefill and chunks
+        of several tokens go through forward_hidden. `kv_cache.length` is left to the caller."""
+        kv_cache.record_at(slot, document, position)
+        keys = torch.arange(kv_cache.max_len, device=token.device)
+        # generated tokens stay causal inside images (as in forward_hidden), so no image runs here
+        mask = attn_lib.build_mask(document[:, None], kv_cache.document_ids, slot.view(1), keys)
+        ctx = AttentionContext(backend="sdpa", mask=mask, cache=kv_cache, slot=slot)
+        x = self.embed(token[:, None])
+        cos, sin = rope_cos_sin(position[:, None], self.config.head_dim, self.config.rope_theta, x.dtype)
+        for block in self.layers:
+            x = block(x, cos, sin, ctx)
+        return self.norm(x[:, 0])
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:

@@ -45,6 +45,7 @@ class SamplingConfig:
     image_grid: tuple[int, int] | None = None  # (h, w) codes per image; generate() takes the tokenizer's
     stop_at_eos: bool = True
     use_kv_cache: bool = True  # False recomputes the whole sequence every step (the reference path)
+    compile: bool = False  # torch.compile the decode step (CUDA: as a CUDA graph); same tokens, a one-off compile
     speculative_window: int = 0  # 0: one token per forward; N >= 2: N image-code drafts checked per forward
 
     def __post_init__(self) -> None:
@@ -120,16 +121,24 @@ def apply_repetition_penalty(
     return torch.where(seen, penalized, logits)
 
 
-def truncate_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Per-row top-k (0 = off) then top-p (1 = off) on (N, V) logits; removed entries become -inf."""
+def truncate_logits(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, *, largest_k: int | None = None,
+    use_p: bool | None = None,
+) -> torch.Tensor:
+    """Per-row top-k (0 = off) then top-p (1 = off) on (N, V) logits; removed entries become -inf.
+
+    largest_k (the largest top_k) and use_p (whether any top_p < 1), when the caller knows them, spare reading
+    top_k / top_p back to the host: the compiled decode step passes them from its config.
+    """
     neg_inf = torch.finfo(logits.dtype).min if logits.dtype != torch.float32 else float("-inf")
-    use_k = bool((top_k > 0).any())
-    use_p = bool((top_p < 1.0).any())
+    largest_k = int(top_k.max()) if largest_k is None else largest_k
+    use_k = largest_k > 0
+    use_p = bool((top_p < 1.0).any()) if use_p is None else use_p
     if not use_k and not use_p:
         return logits
     if not use_p:  # top-k alone: a partial top-k is much cheaper than sorting the whole vocabulary
-        k = top_k.clamp(min=1, max=logits.shape[-1])
-        kth = logits.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None])
+        k = top_k.clamp(min=1, max=min(largest_k, logits.shape[-1]))
+        kth = logits.topk(min(largest_k, logits.shape[-1]), dim=-1).values.gather(-1, (k - 1)[:, None])
         return logits.masked_fill((top_k[:, None] > 0) & (logits < kth), neg_inf)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(logits.shape[-1], device=logits.device)
@@ -145,17 +154,28 @@ def truncate_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tens
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def exponential_race(race: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Fill `race` with Exponential(1) noise, in place, for choose_tokens: argmax of p / noise is a draw from p."""
+    return race.exponential_(generator=generator).clamp_min_(1e-20)  # never 0/0
+
+
 def choose_tokens(
-    logits: torch.Tensor, temperature: torch.Tensor, generator: torch.Generator | None
+    logits: torch.Tensor, temperature: torch.Tensor, generator: torch.Generator | None = None,
+    race: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Sample one id per row at the row's temperature (0 = greedy argmax)."""
+    """Sample one id per row at the row's temperature (0 = greedy argmax).
+
+    race: the exponential_race noise (logits' shape), when the caller draws it (the decode step draws it outside
+    its compiled graph); otherwise it is drawn here from `generator`, unless every temperature is 0.
+    """
     greedy = logits.argmax(dim=-1)
-    if bool((temperature == 0).all()):
-        return greedy
+    if race is None:
+        if bool((temperature == 0).all()):
+            return greedy
+        race = exponential_race(torch.empty_like(logits, dtype=torch.float32), generator)
     scaled = logits / temperature.clamp_min(1e-6)[:, None]
     probs = scaled.softmax(dim=-1)
-    # argmax of p / Exponential(1) is a draw from p (the exponential race); cheaper than torch.multinomial
-    race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(1e-20)  # never 0/0
+    # the exponential race: cheaper than torch.multinomial, and its noise can be drawn ahead of the step
     sampled = (probs / race).argmax(dim=-1)
     return torch.where(temperature == 0, greedy, sampled)
 
@@ -363,19 +383,20 @@ class ModalityRules:
         take: which prompts take their token (default all); speculative decoding commits a different number
         of tokens per prompt in one forward.
         """
+        # the state tensors change in place: the compiled decode step keeps them at fixed addresses
         live = ~self.done if take is None else ~self.done & take
         self.n_new += live.long()
         closes = live & self.in_image & (token == self.eoi_id)
-        self.codes_done = torch.where(live & self.in_image & ~closes, self.codes_done + 1, self.codes_done)
         opens = live & ~self.in_image & (token == self.boi_id)
-        self.in_image = (self.in_image & ~closes) | opens
-        self.codes_done = torch.where(opens | closes, torch.zeros_like(self.codes_done), self.codes_done)
+        counted = torch.where(live & self.in_image & ~closes, self.codes_done + 1, self.codes_done)
+        self.codes_done.copy_(torch.where(opens | closes, torch.zeros_like(counted), counted))
+        self.in_image.copy_((self.in_image & ~closes) | opens)
         finished = self.n_new >= self.budget
         if self.stop_at_eos:
             finished |= token == self.eos_id
         if self.mode == "image":
             finished |= closes
-        self.done = self.done | (live & finished)
+        self.done |= live & finished
 
 
 class _SeenText:
@@ -416,14 +437,23 @@ def _guided(
     return torch.where(in_image[:, None], mixed, cond)
 
 
-def _sample(
-    logits: torch.Tensor, in_image: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None
-) -> torch.Tensor:
-    """One id per row, with the temperature / top-k / top-p of the row's modality."""
+def _new_race(config: SamplingConfig, rows: int, vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """The buffer for each step's sampling noise; None when both modalities are greedy (no noise is drawn)."""
+    if config.text_temperature == 0 and config.image_temperature == 0:
+        return None
+    return torch.empty(rows, vocab_size, device=device)
+
+
+def _sample(logits: torch.Tensor, in_image: torch.Tensor, config: SamplingConfig, race: torch.Tensor | None) -> torch.Tensor:
+    """One id per row, with the temperature / top-k / top-p of the row's modality; race None means greedy."""
+    if race is None:  # top-k / top-p always keep the most likely id
+        return logits.argmax(dim=-1)
     temperature = torch.where(in_image, config.image_temperature, config.text_temperature)
     top_k = torch.where(in_image, config.image_top_k, config.text_top_k)
     top_p = torch.where(in_image, config.image_top_p, config.text_top_p)
-    return choose_tokens(truncate_logits(logits, top_k, top_p), temperature.float(), generator)
+    kept = truncate_logits(logits, top_k, top_p, largest_k=max(config.image_top_k, config.text_top_k),
+                           use_p=min(config.image_top_p, config.text_top_p) < 1.0)
+    return choose_tokens(kept, temperature.float(), race=race)
 
 
 def _next_tokens(
@@ -432,16 +462,18 @@ def _next_tokens(
     rules: ModalityRules,
     seen: _SeenText | None,
     config: SamplingConfig,
-    generator: torch.Generator | None,
+    race: torch.Tensor | None,
     pad_id: int,
 ) -> torch.Tensor:
-    """One id per prompt from the rows' logits (rows, V): guidance, repetition penalty, modality rules, sampling."""
+    """One id per prompt from the rows' logits (rows, V): guidance, repetition penalty, modality rules, sampling.
+
+    race: this step's exponential_race noise (prompts, V), None when both modalities are greedy."""
     scores = _guided(logits.float(), n_prompts, rules.in_image, config)
     if seen is not None:  # text tokens only
         text_seen = seen.seen & ~rules.in_image[:, None]
         scores = apply_repetition_penalty(scores, text_seen, config.repetition_penalty)
     scores = scores.masked_fill(~rules.allowed(), float("-inf"))
-    token = _sample(scores, rules.in_image, config, generator)
+    token = _sample(scores, rules.in_image, config, race)
     return torch.where(rules.done, torch.full_like(token, pad_id), token)
 
 
@@ -475,7 +507,10 @@ def generate_ids(
     generator = None
     if config.seed is not None:
         generator = torch.Generator(device=device).manual_seed(int(config.seed))
-    out = torch.full((streams.n_prompts, max(rules.steps, 1)), vocab.pad_id, dtype=torch.long, device=device)
+    columns = max(rules.steps, 1)
+    if config.compile:  # the compiled step's shapes then repeat across prompt lengths (as its cache's)
+        columns = -(-columns // COMPILED_CACHE_MULTIPLE) * COMPILED_CACHE_MULTIPLE
+    out = torch.full((streams.n_prompts, columns), vocab.pad_id, dtype=torch.long, device=device)
 
     was_training = model.training
     model.eval()
@@ -503,21 +538,95 @@ def _plain_decode(
     generator: torch.Generator | None,
     out: torch.Tensor,
 ) -> int:
-    """One token per prompt per forward until every prompt is done; fills `out`, returns the forwards made."""
-    decoder = _Decoder(model, streams.rows, vocab.pad_id, rules.steps, config.use_kv_cache, out.device)
-    logits = decoder.prefill()
+    """One token per prompt per forward until every prompt is done; fills `out`, returns the forwards made.
+
+    The prefill and the first token run eagerly; every later step is `_PlainStep`, compiled when config.compile.
+    """
+    decoder = _Decoder(model, streams.rows, vocab.pad_id, rules.steps, config.use_kv_cache, out.device,
+                       cache_multiple=COMPILED_CACHE_MULTIPLE if config.compile else 1)
+    race = _new_race(config, streams.n_prompts, int(vocab.vocab_size), out.device)
+    step = _PlainStep(decoder, streams, rules, seen, config, race, vocab.pad_id, out)
+    step.choose(decoder.prefill(), _draw_race(race, generator))
+    run = compiled_step(step, out.device) if config.compile else step
+    # image mode knows its length; otherwise look for the end every step on CPU (free there) and every
+    # CHECK_DONE_EVERY steps elsewhere, where reading `done` back waits for the device
+    check_every = rules.steps if config.mode == "image" else 1 if out.device.type == "cpu" else CHECK_DONE_EVERY
     forwards = 1
-    for step in range(rules.steps):
-        token = _next_tokens(logits, streams.n_prompts, rules, seen, config, generator, vocab.pad_id)
-        out[:, step] = token
-        if seen is not None:
-            seen.add(token, ~rules.done)
-        rules.advance(token)
-        if rules.all_done or step == rules.steps - 1:
+    for index in range(1, rules.steps):
+        if index % check_every == 0 and rules.all_done:
             break
-        logits = decoder.step(token.repeat(streams.n_streams), ~rules.done.repeat(streams.n_streams))
+        run(_draw_race(race, generator))
         forwards += 1
     return forwards
+
+
+# on an accelerator, the steps between two reads of `done` (the only host synchronisation of the loop)
+CHECK_DONE_EVERY = 32
+# a compiled step is specialised to its shapes; rounding the cache up lets prompts of other lengths reuse it
+COMPILED_CACHE_MULTIPLE = 128
+
+
+def _draw_race(race: torch.Tensor | None, generator: torch.Generator | None) -> torch.Tensor | None:
+    """This step's sampling noise, drawn in place outside the compiled step (its generator stays eager)."""
+    return None if race is None else exponential_race(race, generator)
+
+
+class _PlainStep:
+    """One step of the plain decode loop on fixed-shape tensors that change in place: feed each prompt's last token
+    to its streams, choose the next one, write it out, advance the rules.
+
+    Nothing is read back to the host, so the step compiles to one graph (`compiled_step`); the loop around it only
+    draws the noise and counts. A prompt that is done keeps getting padding tokens that attend to nothing real.
+    """
+
+    def __init__(self, decoder: _Decoder, streams: Streams, rules: ModalityRules, seen: _SeenText | None,
+                 config: SamplingConfig, race: torch.Tensor | None, pad_id: int, out: torch.Tensor):
+        self.decoder, self.rules, self.seen, self.config, self.pad_id, self.out = decoder, rules, seen, config, pad_id, out
+        self.n_prompts, self.n_streams = streams.n_prompts, streams.n_streams
+        self.token = torch.full((self.n_prompts,), pad_id, dtype=torch.long, device=out.device)
+        self.column = torch.zeros((), dtype=torch.long, device=out.device)  # where the next token goes in `out`
+        self.race = race
+
+    def state(self) -> list[torch.Tensor]:
+        """Every tensor the step changes in place (a CUDA graph must keep them at fixed addresses)."""
+        rules, cache = self.rules, self.decoder.cache
+        tensors = [self.token, self.column, self.out, self.decoder.next_pos, rules.n_new, rules.codes_done,
+                   rules.in_image, rules.done]
+        if self.seen is not None:
+            tensors.append(self.seen.seen)
+        if self.race is not None:
+            tensors.append(self.race)
+        if cache is not None:
+            tensors += [self.decoder.slot, cache.document_ids, cache.positions, *cache.keys, *cache.values]
+        return tensors
+
+    def choose(self, logits: torch.Tensor, race: torch.Tensor | None) -> None:
+        """Choose each prompt's next token from the rows' logits, record it and advance the rules."""
+        token = _next_tokens(logits, self.n_prompts, self.rules, self.seen, self.config, race, self.pad_id)
+        self.out.index_copy_(1, self.column.view(1), token[:, None])
+        self.column += 1
+        if self.seen is not None:
+            self.seen.add(token, ~self.rules.done)
+        self.rules.advance(token)
+        self.token.copy_(token)
+
+    def __call__(self, race: torch.Tensor | None) -> None:
+        """Feed the last tokens, then choose the next ones."""
+        live = ~self.rules.done
+        logits = self.decoder.step(self.token.repeat(self.n_streams), live.repeat(self.n_streams))
+        self.choose(logits, race)
+
+
+def compiled_step(step: _PlainStep, device: torch.device):
+    """`step` under torch.compile (one graph, static shapes); on CUDA mode="reduce-overhead", a CUDA graph.
+
+    The compiled code is cached on the step's code, so later calls with the same shapes and settings reuse it.
+    """
+    if device.type == "cuda":
+        for tensor in step.state():  # mutated in place between replays: the graph must see fixed addresses
+            torch._dynamo.mark_static_address(tensor)
+    mode = "reduce-overhead" if device.type == "cuda" else None
+    return torch.compile(step.__call__, fullgraph=True, dynamic=False, mode=mode)
 
 
 class _Decoder:
@@ -532,8 +641,10 @@ class _Decoder:
         use_cache: bool,
         device,
         extra_cache: int = 0,
+        cache_multiple: int = 1,
     ):
-        """extra_cache: cache slots beyond prompt + steps (speculative decoding's drafts and holes)."""
+        """extra_cache: cache slots beyond prompt + steps (speculative decoding's drafts and holes);
+        cache_multiple: round the cache length up to a multiple of it (a compiled step's shapes then repeat)."""
         self.model, self.pad_id, self.use_cache = model, pad_id, use_cache
         width = max(len(r) for r in rows)
         n = len(rows)
@@ -547,18 +658,26 @@ class _Decoder:
             self.pos[i, width - len(r) :] = torch.arange(len(r), device=device)
         self.next_pos = torch.tensor([len(r) for r in rows], device=device)
         self.max_pos = int(model.config.max_seq_len) - 1
-        self.cache = model.new_kv_cache(n, width + steps + extra_cache, device=device) if use_cache else None
+        length = -(-(width + steps + extra_cache) // cache_multiple) * cache_multiple
+        self.cache = model.new_kv_cache(n, length, device=device) if use_cache else None
+        self.slot = torch.tensor(width, device=device)  # the cache index of the next single-token step
 
     def prefill(self) -> torch.Tensor:
         """Run the prompts; the logits at every row's last token, (rows, V)."""
         return self._last_logits(self.ids, self.pos, self.docs)
 
     def step(self, token: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        """Append one token per row (finished rows get a padding token that attends to nothing real)."""
+        """Append one token per row (finished rows get a padding token that attends to nothing real).
+
+        With a cache this is the model's decode path (fixed shapes, state changed in place, no host sync)."""
         token = torch.where(live, token, torch.full_like(token, self.pad_id))
         pos = self.next_pos.clamp(max=self.max_pos)
         doc = torch.where(live, 0, -1)
-        self.next_pos = self.next_pos + live.long()
+        self.next_pos += live.long()
+        if self.use_cache and hasattr(self.model, "decode_hidden"):
+            hidden = self.model.decode_hidden(token, pos, doc, self.slot, self.cache)
+            self.slot += 1
+            return self.model.head(hidden).float()
         new = (token[:, None], pos[:, None], doc[:, None])
         if self.use_cache:
             return self._last_logits(*new)
@@ -787,7 +906,9 @@ def speculative_decode(
             commit[:, : width - 1] = code_ids[drafts[:, : width - 1]]
             commit[prompt_index, accepted] = code_ids[code_after]
         if bool((live & ~drafting).any()):
-            plain = _next_tokens(logits[:, 0], n_prompts, rules, seen, config, generator, vocab.pad_id)
+            plain = _next_tokens(logits[:, 0], n_prompts, rules, seen, config,
+                                 _draw_race(_new_race(config, n_prompts, logits.shape[-1], device), generator),
+                                 vocab.pad_id)
             commit[:, 0] = torch.where(drafting, commit[:, 0], plain)
         counts = torch.where(drafting, accepted + 1, live.long())
         for column in range(int(counts.max())):

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,9 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from fusion_model.config import FusionConfig
 from fusion_model.generation import generate
-from fusion_model.model import FusionModel
 from fusion_model.sample_output import write_samples
 from fusion_model.sampling import (
     SamplingConfig,
@@ -27,48 +27,13 @@ from fusion_model.sampling import (
 from tokenizer.image import ImageTokenizer, ImageTokenizerConfig
 from tokenizer.vocab import train_unified_vocab
 
-CORPUS = ["the cat sat on the mat", "a dog ran far away", "one two three four five six seven"] * 10
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sampling_helpers import CORPUS, greedy, prompts_of, steer, tiny_model  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def vocab():
     return train_unified_vocab(CORPUS, vocab_size=320, image_codes=16, num_specials=16)
-
-
-def tiny_model(vocab, seed: int = 0, context: int = 64, **overrides) -> FusionModel:
-    """A random 2-layer decoder over the test vocabulary (GQA, so the cache path covers kv heads)."""
-    torch.manual_seed(seed)
-    fields = dict(vocab_size=vocab.vocab_size, image_offset=vocab.image_offset, image_codes=vocab.image_codes)
-    config = FusionConfig.from_preset("tiny", **{**fields, "max_seq_len": context, **overrides})
-    return FusionModel(config).eval()
-
-
-def steer(model: FusionModel, vocab, strength: float, generator: torch.Generator) -> FusionModel:
-    """Give the head a bias towards <boi>, <eoi>, </s> and image ids, so the sampler is pushed to break rules."""
-    head = torch.nn.Linear(model.config.dim, model.config.vocab_size, bias=True)
-    with torch.no_grad():
-        head.weight.copy_(model.head.weight)
-        head.bias.copy_(torch.randn(model.config.vocab_size, generator=generator))
-        for token in (vocab.boi_id, vocab.eoi_id, vocab.pad_id, vocab.image_placeholder_id):
-            head.bias[token] += strength
-        head.bias[vocab.eos_id] += strength / 3  # weaker, or </s> would end most samples before any image
-        head.bias[vocab.image_offset : vocab.image_offset + vocab.image_codes] += strength / 2
-    model.head = head
-    return model
-
-
-def greedy(**kwargs) -> SamplingConfig:
-    return SamplingConfig(text_temperature=0.0, image_temperature=0.0, **kwargs)
-
-
-def prompts_of(vocab) -> list[list[int]]:
-    """Three prompts of different lengths (left padding matters), one with an image in it."""
-    grid = torch.arange(4).view(2, 2)
-    return [
-        vocab.encode_document(["the cat"], eos=False),
-        vocab.encode_document(["a dog ran far", grid, "one two"], eos=False),
-        [vocab.bos_id],
-    ]
 
 
 # ---------------------------------------------------------------- cache, batching, seeds

@@ -4,14 +4,14 @@ fewer forwards when codes are predictable, and KVCache.truncate rolls back exact
 from __future__ import annotations
 
 import itertools
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
 import fusion_model.sampling as speculative  # the SJD loop lives in sampling.py
-from fusion_model.config import FusionConfig
-from fusion_model.model import FusionModel
 from fusion_model.sampling import (
     SamplingConfig,
     build_streams,
@@ -21,45 +21,8 @@ from fusion_model.sampling import (
 )
 from tokenizer.vocab import train_unified_vocab
 
-# the tiny model and vocabulary of test_sampling.py (test modules cannot import each other under importlib mode)
-CORPUS = ["the cat sat on the mat", "a dog ran far away", "one two three four five six seven"] * 10
-
-
-def tiny_model(vocab, seed: int = 0, context: int = 64, **overrides) -> FusionModel:
-    """A random 2-layer decoder over the test vocabulary (GQA, so the cache path covers kv heads)."""
-    torch.manual_seed(seed)
-    fields = dict(vocab_size=vocab.vocab_size, image_offset=vocab.image_offset, image_codes=vocab.image_codes)
-    config = FusionConfig.from_preset("tiny", **{**fields, "max_seq_len": context, **overrides})
-    return FusionModel(config).eval()
-
-
-def steer(model: FusionModel, vocab, strength: float, generator: torch.Generator) -> FusionModel:
-    """Give the head a random bias, pushed towards <boi>, <eoi>, </s> and image ids (images in interleaved mode)."""
-    head = torch.nn.Linear(model.config.dim, model.config.vocab_size, bias=True)
-    with torch.no_grad():
-        head.weight.copy_(model.head.weight)
-        head.bias.copy_(torch.randn(model.config.vocab_size, generator=generator))
-        for token in (vocab.boi_id, vocab.eoi_id, vocab.pad_id, vocab.image_placeholder_id):
-            head.bias[token] += strength
-        head.bias[vocab.eos_id] += strength / 3
-        head.bias[vocab.image_offset : vocab.image_offset + vocab.image_codes] += strength / 2
-    model.head = head
-    return model
-
-
-def greedy(**kwargs) -> SamplingConfig:
-    return SamplingConfig(text_temperature=0.0, image_temperature=0.0, **kwargs)
-
-
-def prompts_of(vocab) -> list[list[int]]:
-    """Three prompts of different lengths (left padding matters), one with an image in it."""
-    grid = torch.arange(4).view(2, 2)
-    return [
-        vocab.encode_document(["the cat"], eos=False),
-        vocab.encode_document(["a dog ran far", grid, "one two"], eos=False),
-        [vocab.bos_id],
-    ]
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sampling_helpers import CORPUS, greedy, prompts_of, steer, tiny_model  # noqa: E402
 
 GUIDANCE = {"none": {}, "two": {"cfg_scale": 2.0}, "three": {"cfg_image_scale": 1.2, "cfg_text_scale": 3.0}}
 
