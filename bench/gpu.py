@@ -285,6 +285,69 @@ def bench_image(config: FusionConfig, *, n_tokens: int, stream_counts: list[int]
     return {"figures": figures, "config": config_out}
 
 
+def bench_sampler(*, dry_run: bool, batches: list[int], device: torch.device, dtype: torch.dtype, bandwidth: float,
+                  deadline: float = float("inf")) -> dict:
+    """The real sampler (`generate_ids`, image mode, Chameleon's three-stream guidance) at the image shape: seconds
+    per image for the eager and the compiled decode step (a CUDA graph on GPU), and the fraction of the bound."""
+    from fusion_model.sampling import SamplingConfig, generate_ids
+    from tokenizer.vocab import train_unified_vocab
+
+    shape = image_config(dry_run)
+    if dry_run:  # byte-level BPE needs 256 text ids besides the specials and image codes
+        shape = dataclasses.replace(shape, vocab_size=512)
+    vocab = train_unified_vocab(["a picture of a red circle on a blue square"] * 20, vocab_size=shape.vocab_size,
+                                image_codes=shape.image_codes)
+    config = dataclasses.replace(shape, image_offset=vocab.image_offset)
+    _free(device)
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = FusionModel(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    streamed_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    streamed_bytes -= model.embed.weight.numel() * model.embed.weight.element_size()
+    bound = decode_seconds_bound(streamed_bytes, bandwidth)
+    grid = (4, 4) if dry_run else (32, 32)
+    n_steps = grid[0] * grid[1] + 2  # <boi>, codes, <eoi>: one forward each (the first is the prefill)
+    prompt = [vocab.bos_id] + vocab.encode_text("a picture of a red circle on a blue square")
+    figures: dict = {}
+    for batch in batches:
+        for label, compiled in (("eager", False), ("compiled", True)):
+            if time.perf_counter() > deadline:
+                break
+            sampling = SamplingConfig.chameleon(mode="image", image_grid=grid, seed=0, compile=compiled)
+            # compiled: the first call compiles for these shapes; eager: a short warm-up (kernels, allocator)
+            warm_up = sampling if compiled else dataclasses.replace(sampling, image_grid=(2, 2))
+            start = time.perf_counter()
+            generate_ids(model, vocab, [prompt] * batch, warm_up)
+            sync(device)
+            first = time.perf_counter() - start
+            start = time.perf_counter()
+            out = generate_ids(model, vocab, [prompt] * batch, sampling)
+            sync(device)
+            seconds = time.perf_counter() - start
+            if any(len(row) != n_steps for row in out):
+                raise RuntimeError(f"the sampler gave {[len(r) for r in out]} tokens, expected {n_steps} per image")
+            figures[f"three_stream_batch{batch}_{label}"] = {
+                "seconds_per_image": {"value": seconds / batch, "unit": "s"},
+                "ms_per_step": {"value": seconds / n_steps * 1e3, "unit": "ms"},
+                "bandwidth_bound_fraction": {"value": bound / (seconds / n_steps), "unit": "of bound",
+                                             "bound_ms": round(bound * 1e3, 4)},
+                "first_call_s": {"value": first, "unit": "s", "note": "compile + one generation" if compiled
+                                 else "warm-up generation of 4 codes"},
+            }
+    config_out = {"model": config.to_dict(), "image_grid": list(grid), "dtype": str(dtype),
+                  "sampling": "SamplingConfig.chameleon(mode='image'): T 0.7, top-p 0.9, three streams (1.2, 3.0), "
+                              "3 rows per prompt in one forward",
+                  "bound": "bytes of all matrices but the input embedding / copy bandwidth, per step"}
+    del model
+    _free(device)
+    return {"figures": figures, "config": config_out}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """Command-line options of `python -m bench.gpu`."""
     parser = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__)
@@ -293,6 +356,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="where gpu.json goes (default bench/results; a temp dir with --dry-run)")
     parser.add_argument("--skip-train", action="store_true", help="skip the train-step MFU part")
     parser.add_argument("--skip-image", action="store_true", help="skip the image-generation part")
+    parser.add_argument("--skip-sampler", action="store_true",
+                        help="skip the real sampler's eager vs compiled (CUDA graph) part")
+    parser.add_argument("--sampler-batches", default="1,8", help="prompts per batch for the sampler part (default 1,8)")
     parser.add_argument("--train-batch", type=int, default=None, help="rows of 4,096 tokens per step (default 4)")
     parser.add_argument("--train-steps", type=int, default=None, help="timed steps (default 10)")
     parser.add_argument("--no-compile", action="store_true", help="train eagerly (compile is on by default on GPU)")
@@ -389,12 +455,21 @@ def main(argv: list[str] | None = None) -> int:
         streams = [int(s) for s in args.streams.split(",") if s.strip()]
         result = attempt("image_512px_7b", lambda: bench_image(
             image_config(args.dry_run), n_tokens=16 if args.dry_run else 1024, stream_counts=streams,
-            repeats=1 if args.dry_run else 2, device=device, dtype=dtype, bandwidth=bandwidth,
+            repeats=1, device=device, dtype=dtype, bandwidth=bandwidth,
             deadline=started + args.budget_s,
         ))
         if result is not None:
             figures["image_512px_7b"] = result["figures"]
             config["image_512px_7b"] = result["config"]
+        save()
+    if not args.skip_sampler:
+        batches = [int(b) for b in args.sampler_batches.split(",") if b.strip()]
+        result = attempt("sampler_512px_7b", lambda: bench_sampler(
+            dry_run=args.dry_run, batches=[1] if args.dry_run else batches, device=device, dtype=dtype,
+            bandwidth=bandwidth, deadline=started + args.budget_s + 120))
+        if result is not None:
+            figures["sampler_512px_7b"] = result["figures"]
+            config["sampler_512px_7b"] = result["config"]
     path = save()
     print(json.dumps(figures, indent=1, default=str))
     print(f"gpu bench: wrote {path} in {config['total_s']} s; errors: {config['errors'] or 'none'}")

@@ -43,6 +43,10 @@ def test_dry_run_writes_train_and_image_figures(tmp_path):
     for stream in image.values():
         assert stream["seconds_per_image"]["value"] > 0 and stream["bandwidth_bound_fraction"]["value"] > 0
     assert body["config"]["image_512px_7b"]["image_tokens"] == 16 and body["config"]["dry_run"] is True
+    sampler = figures["sampler_512px_7b"]  # the real sampler, eager and compiled, three-stream guidance
+    assert set(sampler) == {"three_stream_batch1_eager", "three_stream_batch1_compiled"}
+    for row in sampler.values():
+        assert row["seconds_per_image"]["value"] > 0 and row["bandwidth_bound_fraction"]["value"] > 0
     assert all(math.isfinite(x) for x in _numbers(figures))
     assert {p.name: p.stat().st_mtime_ns for p in RESULTS_DIR.glob("*")} == before
 
@@ -83,10 +87,10 @@ def test_without_gpu_the_real_run_refuses_with_a_hint(capsys):
 def test_shell_entry_point_passes_arguments_through(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable)
     done = subprocess.run(
-        ["bash", str(REPO / "bench" / "gpu.sh"), "--dry-run", "--skip-train", "--skip-image",
+        ["bash", str(REPO / "bench" / "gpu.sh"), "--dry-run", "--skip-train", "--skip-image", "--skip-sampler",
          "--results-dir", str(tmp_path)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 0, done.stderr[-2000:]
     figures = json.loads((tmp_path / "gpu.json").read_text())["figures"]
-    assert set(figures) == {"matmul_peak", "copy_bandwidth"}  # both parts skipped, as asked
+    assert set(figures) == {"matmul_peak", "copy_bandwidth"}  # every part skipped, as asked

@@ -177,10 +177,11 @@ def test_guidance_scale_one_equals_plain_conditional_sampling(vocab):
     unconditional = [[vocab.bos_id]] * 3
     guided = generate_ids(model, vocab, prompts_of(vocab), plain, uncond_prompts=unconditional)
     assert guided == generate_ids(model, vocab, prompts_of(vocab), plain)
-    image = replace(plain, mode="image")
-    strong = replace(image, cfg_scale=5.0)
-    # the unconditional stream really is in the batch: another scale changes the images
-    assert generate_ids(model, vocab, prompts_of(vocab), strong) != generate_ids(model, vocab, prompts_of(vocab), image)
+    # the unconditional stream really is in the batch: another scale changes the images (the steered model's codes
+    # are peaked, so 12 codes of one seed may coincide; three seeds may not)
+    images = [replace(plain, mode="image", seed=seed) for seed in (3, 4, 5)]
+    assert any(generate_ids(model, vocab, prompts_of(vocab), replace(image, cfg_scale=5.0))
+               != generate_ids(model, vocab, prompts_of(vocab), image) for image in images)
 
 
 def test_a_long_unconditional_prompt_limits_room_for_images_too(vocab):

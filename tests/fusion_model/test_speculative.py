@@ -256,6 +256,8 @@ def test_bad_speculative_settings_are_refused(vocab):
     for window in (1, -1):
         with pytest.raises(ValueError, match="speculative_window"):
             SamplingConfig(speculative_window=window)
+    with pytest.raises(ValueError, match="choose one"):
+        SamplingConfig(speculative_window=4, compile=True)
     model = tiny_model(vocab, image_bidirectional=True)
     with pytest.raises(ValueError, match="image_bidirectional"):
         generate_ids(model, vocab, [[vocab.bos_id]], SamplingConfig(mode="image", image_grid=(2, 2), speculative_window=2))
