@@ -9,6 +9,7 @@ from fusion_model.flops import best_seconds, default_device, default_matmul_size
 
 __all__ = [
     "copy_bandwidth",
+    "read_bandwidth",
     "decode_seconds_bound",
     "default_copy_bytes",
     "default_device",
@@ -40,6 +41,18 @@ def copy_bandwidth(
     dst = torch.empty_like(src)
     seconds = best_seconds(lambda: dst.copy_(src), device, repeats, warmup=1, min_seconds=min_seconds)
     return 2.0 * numel * 4 / seconds
+
+
+def read_bandwidth(device: torch.device | str | None = None, *, nbytes: int, repeats: int = 5) -> float:
+    """Best read-only bandwidth in bytes/s over a buffer of `nbytes` (a sum: every byte read once, nothing written):
+    what a decode step needs to stream its weights, which a copy's read + write traffic understates."""
+    device = torch.device(device) if device is not None else default_device()
+    if nbytes < 4:
+        raise ValueError(f"read buffer must be at least 4 bytes, got {nbytes}")
+    numel = nbytes // 4
+    src = torch.ones(numel, device=device, dtype=torch.float32)
+    seconds = best_seconds(lambda: src.sum(), device, repeats, warmup=1, min_seconds=0.0)
+    return numel * 4 / seconds
 
 
 def decode_seconds_bound(weight_bytes: float, bandwidth: float) -> float:

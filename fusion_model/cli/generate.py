@@ -204,6 +204,8 @@ def run(args: argparse.Namespace) -> dict[str, Path]:
         from tokenizer.image import ImageTokenizer
 
         image_tokenizer = ImageTokenizer.from_pretrained(args.image_tokenizer, map_location=args.device)
+    if config.compile:  # otherwise the first batch is silent for the length of the compile
+        print("generate: compiling the decode step (once per batch shape and settings; 10-30 s on a CPU)", flush=True)
     samples, ids = [], []
     for k, start in enumerate(range(0, len(prompts), args.batch_size)):
         batch_config = replace(config, seed=config.seed + k)

@@ -17,6 +17,14 @@ def test_copy_bandwidth_counts_bytes_read_and_written(monkeypatch):
     assert limits.copy_bandwidth(nbytes=4096) == 2 * 4096 / 2.0
 
 
+def test_read_bandwidth_counts_bytes_read_once(monkeypatch):
+    monkeypatch.setattr(limits, "best_seconds", lambda fn, device, repeats, warmup, min_seconds: 2.0)
+    assert limits.read_bandwidth(nbytes=4096) == 4096 / 2.0
+    assert limits.read_bandwidth("cpu", nbytes=1 << 16) > 0
+    with pytest.raises(ValueError, match="at least 4 bytes"):
+        limits.read_bandwidth(nbytes=2)
+
+
 def test_best_seconds_runs_the_function_and_keeps_the_fastest(monkeypatch):
     clock = iter([0.0, 100.0, 102.0, 103.0, 103.5, 110.0, 113.0, 114.0])  # window, 3 start/stop pairs, check
     monkeypatch.setattr(flops.time, "perf_counter", lambda: next(clock))

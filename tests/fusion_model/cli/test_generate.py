@@ -181,3 +181,12 @@ def test_long_texts_are_cut_in_the_summary_but_every_image_is_listed(tmp_path):
     (tmp_path / "samples.json").write_text(json.dumps(body))
     summary = describe_samples(tmp_path / "samples.json", max_chars=40)
     assert f"output: {'a' * 30}<image: {tmp_path / 'sample_000_image_0.png'}>{'b' * 10}… [20 more characters" in summary
+
+
+def test_compile_is_an_option_and_refused_with_speculative_decoding(files, tmp_path, capsys):
+    assert sampling_config(parser().parse_args(["--checkpoint", "x.ckpt", "--compile"])).compile is True
+    argv = ["generate", "--checkpoint", str(files / "model.ckpt"), "--vocab", str(files / "tokenizer.json"),
+            "--image-tokenizer", str(files / "vq"), "--prompt", "the cat", "--mode", "image", "--compile",
+            "--speculative-window", "4", "--out", str(tmp_path / "x")]
+    assert cli.main(argv) == 2
+    assert "choose one (--compile or --speculative-window)" in capsys.readouterr().err
