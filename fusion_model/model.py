@@ -373,17 +373,28 @@ class FusionModel(nn.Module):
 
     # ---- forward --------------------------------------------------------------------------------
     def forward_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                       document_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
-        """Final normed hidden states (B, T, dim); see forward for the arguments."""
+                       document_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None, *,
+                       inputs_embeds: torch.Tensor | None = None, before_layer=None) -> torch.Tensor:
+        """Final normed hidden states (B, T, dim); see forward for the arguments.
+
+        For connectors that feed the decoder something other than its own embeddings (late fusion):
+        `inputs_embeds` (B, T, dim) replaces the embedding lookup (input_ids still give the shape, documents and image
+        runs); `before_layer(index, x) -> x` runs before each block (e.g. a gated cross-attention layer).
+        """
         if input_ids.dim() != 2:
             raise ValueError(f"FusionModel: input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
         # on CPU a bad id gets a clear message; on CUDA the check would sync every step (and the kernel asserts)
         if input_ids.device.type == "cpu" and input_ids.numel() and int(input_ids.max()) >= self.config.vocab_size:
             raise ValueError(f"FusionModel: token id {int(input_ids.max())} >= vocab_size {self.config.vocab_size}")
+        if inputs_embeds is not None and inputs_embeds.shape != (*input_ids.shape, self.config.dim):
+            raise ValueError(f"FusionModel: inputs_embeds must be {(*input_ids.shape, self.config.dim)} (input_ids' "
+                             f"shape by dim), got {tuple(inputs_embeds.shape)}")
         ctx, position_ids = self._context(input_ids, document_ids, position_ids, kv_cache)
-        x = self.embed(input_ids)
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
-        for block in self.layers:
+        for index, block in enumerate(self.layers):
+            if before_layer is not None:
+                x = before_layer(index, x)
             if self.config.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 x = checkpoint(block, x, cos, sin, ctx, use_reentrant=False)
             else:

@@ -1,0 +1,415 @@
+"""Late-fusion connectors around the early-fusion decoder: LLaVA's projector, BLIP-2's Q-Former, Flamingo's
+Perceiver resampler + gated cross-attention, all reading the frozen image tokenizer's pre-quantisation features."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fusion_model.model import FusionModel
+from tokenizer.image.image_tokenizer import ImageTokenizer
+
+KINDS = ("llava", "qformer", "flamingo")
+IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index: image positions add no loss
+
+
+# ---- the frozen image encoder ------------------------------------------------------------------------------------
+def frozen_image_features(tokenizer: ImageTokenizer, pixels: torch.Tensor) -> torch.Tensor:
+    """Pre-quantisation features (B, h*w, C) of pixels in [-1, 1], flattened row-major, without gradients."""
+    # the same encoder early fusion tokenizes with: early fusion rounds these vectors to codes, late fusion
+    # reads them as they are, so the two compare on equal vision
+    with torch.no_grad():
+        latents = tokenizer.encode_latents(pixels)  # (B, C, h, w)
+    return latents.flatten(2).transpose(1, 2)
+
+
+def freeze(module: nn.Module) -> nn.Module:
+    """Stop training `module`: no parameter requires grad, and it runs in eval mode (no dropout)."""
+    for parameter in module.parameters():
+        parameter.requires_grad_(False)
+    return module.eval()
+
+
+def unfreeze(module: nn.Module) -> nn.Module:
+    """Train `module` again: every parameter requires grad, and it runs in train mode."""
+    for parameter in module.parameters():
+        parameter.requires_grad_(True)
+    return module.train()
+
+
+# ---- shared pieces -----------------------------------------------------------------------------------------------
+class CrossAttention(nn.Module):
+    """Multi-head attention of queries (B, Tq, query_dim) over keys/values (B, Tk, kv_dim), masked per query."""
+
+    def __init__(self, query_dim: int, kv_dim: int, heads: int) -> None:
+        super().__init__()
+        if query_dim % heads:
+            raise ValueError(f"CrossAttention: query_dim {query_dim} is not divisible by heads {heads}")
+        self.heads = heads
+        self.to_q = nn.Linear(query_dim, query_dim, bias=False)
+        self.to_kv = nn.Linear(kv_dim, 2 * query_dim, bias=False)
+        # no bias: a query that may see nothing gets exactly 0 out, not a learned constant
+        self.out = nn.Linear(query_dim, query_dim, bias=False)
+
+    def forward(self, queries: torch.Tensor, keys_values: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """mask (B, Tq, Tk) bool, True = may attend; a query with no True key gets exactly 0."""
+        batch, length, dim = queries.shape
+        q = self.to_q(queries).view(batch, length, self.heads, -1).transpose(1, 2)
+        k, v = self.to_kv(keys_values).view(batch, keys_values.shape[1], 2, self.heads, -1).unbind(2)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
+        sees_any = None
+        if mask is not None:
+            sees_any = mask.any(-1, keepdim=True)  # (B, Tq, 1)
+            # softmax over no key is 0/0: some SDPA kernels return NaN there, and NaN times a closed gate is
+            # still NaN; let such a query attend everywhere, then zero its output below
+            mask = (mask | ~sees_any)[:, None]
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        y = self.out(y.transpose(1, 2).reshape(batch, length, dim))
+        return y if sees_any is None else torch.where(sees_any, y, torch.zeros((), dtype=y.dtype, device=y.device))
+
+
+def feed_forward(dim: int, mult: int = 4) -> nn.Sequential:
+    """The GELU MLP Flamingo and BERT use: Linear(dim, mult*dim) -> GELU -> Linear(mult*dim, dim)."""
+    return nn.Sequential(nn.Linear(dim, mult * dim), nn.GELU(), nn.Linear(mult * dim, dim))
+
+
+# ---- LLaVA -------------------------------------------------------------------------------------------------------
+class LlavaProjector(nn.Module):
+    """LLaVA-1.5's connector: each patch feature -> one decoder input embedding, Linear -> GELU -> Linear."""
+
+    def __init__(self, feature_dim: int, model_dim: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(feature_dim, model_dim), nn.GELU(), nn.Linear(model_dim, model_dim))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """features (B, P, feature_dim) -> embeddings (B, P, model_dim)."""
+        return self.net(features)
+
+
+# ---- Flamingo ----------------------------------------------------------------------------------------------------
+class PerceiverResampler(nn.Module):
+    """Flamingo's Perceiver resampler: K learned latents read any number of features; output (B, K, dim)."""
+
+    def __init__(self, feature_dim: int, dim: int, num_latents: int = 64, depth: int = 2, heads: int = 4) -> None:
+        super().__init__()
+        self.project = nn.Linear(feature_dim, dim)
+        self.latents = nn.Parameter(torch.randn(num_latents, dim) * 0.02)
+        self.layers = nn.ModuleList(
+            nn.ModuleDict({
+                "feature_norm": nn.LayerNorm(dim),
+                "latent_norm": nn.LayerNorm(dim),
+                "attn": CrossAttention(dim, dim, heads),
+                "ff_norm": nn.LayerNorm(dim),
+                "ff": feed_forward(dim),
+            })
+            for _ in range(depth)
+        )
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, features: torch.Tensor, feature_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """features (B, N, feature_dim), feature_mask (B, N) bool True = real feature -> latents (B, K, dim)."""
+        x = self.project(features)
+        batch, num_latents = x.shape[0], self.latents.shape[0]
+        latents = self.latents.expand(batch, -1, -1)
+        mask = None
+        if feature_mask is not None:
+            # every latent may read every real feature and every latent (the latents are never padding)
+            keys = torch.cat([feature_mask, feature_mask.new_ones(batch, num_latents)], dim=1)
+            mask = keys[:, None, :].expand(batch, num_latents, -1)
+        for layer in self.layers:
+            normed = layer["latent_norm"](latents)
+            # Flamingo's keys/values are [features; latents]: the latents also attend to themselves, so each
+            # layer can keep what it has gathered, and no latent ever sees an empty key set
+            keys_values = torch.cat([layer["feature_norm"](x), normed], dim=1)
+            latents = latents + layer["attn"](normed, keys_values, mask)
+            latents = latents + layer["ff"](layer["ff_norm"](latents))
+        return self.norm(latents)
+
+
+def media_index(input_ids: torch.Tensor, image_token_id: int,
+                document_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T) long: which image of its row each token follows (the latest `image_token_id` at or before it), -1 none.
+
+    An image marker in an earlier document of a packed row is not "before" the token: its index is -1 there.
+    """
+    is_marker = input_ids == image_token_id
+    count = is_marker.long().cumsum(dim=1)  # markers at or before each token, so the marker sees its own image
+    index = count - 1
+    if document_ids is not None:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        last_marker = torch.where(is_marker, positions, -1).cummax(dim=1).values
+        marker_document = document_ids.gather(1, last_marker.clamp_min(0))
+        same_document = (last_marker >= 0) & (marker_document == document_ids)
+        index = torch.where(same_document, index, -1)
+    return index
+
+
+def media_mask(media_index_per_token: torch.Tensor, num_media: int) -> torch.Tensor:
+    """(B, T, num_media) bool: each token may see only the image it follows (Flamingo's "immediately preceding")."""
+    media = torch.arange(num_media, device=media_index_per_token.device)
+    return media_index_per_token[..., None] == media  # -1 (no image yet) matches nothing
+
+
+class GatedCrossAttention(nn.Module):
+    """Flamingo's gated xattn-dense layer: tanh-gated cross-attention to media, then a tanh-gated FFN."""
+
+    def __init__(self, dim: int, media_dim: int, heads: int) -> None:
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(dim)
+        self.attn = CrossAttention(dim, media_dim, heads)
+        self.ff_norm = nn.LayerNorm(dim)
+        self.ff = feed_forward(dim)
+        # gates start closed: the frozen decoder's function is kept exactly at initialisation
+        self.alpha_attn = nn.Parameter(torch.zeros(()))
+        self.alpha_ff = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x: torch.Tensor, media: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """x (B, T, dim), media (B, M, K, media_dim) = K vectors per image, mask (B, T, M) bool -> (B, T, dim)."""
+        batch, num_media, per_media, media_dim = media.shape
+        keys_mask = mask.repeat_interleave(per_media, dim=-1)  # a token sees all K vectors of its image
+        keys_values = media.reshape(batch, num_media * per_media, media_dim)
+        x = x + self.alpha_attn.tanh() * self.attn(self.attn_norm(x), keys_values, keys_mask)
+        return x + self.alpha_ff.tanh() * self.ff(self.ff_norm(x))
+
+
+class FlamingoConnector(nn.Module):
+    """The trainable half of Flamingo: one Perceiver resampler and a gated cross-attention layer per decoder block."""
+
+    def __init__(self, feature_dim: int, model_dim: int, n_layers: int, media_dim: int, num_latents: int,
+                 depth: int, heads: int) -> None:
+        super().__init__()
+        self.resampler = PerceiverResampler(feature_dim, media_dim, num_latents, depth, heads)
+        self.gated = nn.ModuleList(GatedCrossAttention(model_dim, media_dim, heads) for _ in range(n_layers))
+
+
+# ---- BLIP-2 ------------------------------------------------------------------------------------------------------
+class QFormerLayer(nn.Module):
+    """One Q-Former layer (BERT's post-norm): self-attention among queries, cross-attention to features, FFN."""
+
+    def __init__(self, dim: int, feature_dim: int, heads: int) -> None:
+        super().__init__()
+        self.self_attn = CrossAttention(dim, dim, heads)
+        self.self_norm = nn.LayerNorm(dim)
+        self.cross_attn = CrossAttention(dim, feature_dim, heads)
+        self.cross_norm = nn.LayerNorm(dim)
+        self.ff = feed_forward(dim)
+        self.ff_norm = nn.LayerNorm(dim)
+
+    def forward(self, queries: torch.Tensor, features: torch.Tensor,
+                feature_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """queries (B, M, dim), features (B, N, feature_dim) -> queries (B, M, dim)."""
+        queries = self.self_norm(queries + self.self_attn(queries, queries))
+        queries = self.cross_norm(queries + self.cross_attn(queries, features, feature_mask))
+        return self.ff_norm(queries + self.ff(queries))
+
+
+class QFormer(nn.Module):
+    """BLIP-2's querying transformer: M learned queries read the image features; output (B, M, out_dim)."""
+
+    def __init__(self, feature_dim: int, dim: int, num_queries: int = 32, depth: int = 2, heads: int = 4, *,
+                 out_dim: int) -> None:
+        super().__init__()
+        # BLIP-2 normalises the frozen encoder's output before the Q-Former reads it (its ln_vision)
+        self.feature_norm = nn.LayerNorm(feature_dim)
+        self.queries = nn.Parameter(torch.randn(num_queries, dim) * 0.02)
+        self.query_norm = nn.LayerNorm(dim)  # BERT's embedding LayerNorm, applied to the queries
+        self.layers = nn.ModuleList(QFormerLayer(dim, feature_dim, heads) for _ in range(depth))
+        self.to_language_model = nn.Linear(dim, out_dim)  # BLIP-2's language_projection
+
+    def forward(self, features: torch.Tensor, feature_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """features (B, N, feature_dim), feature_mask (B, N) bool True = real -> (B, M, out_dim)."""
+        features = self.feature_norm(features)
+        batch = features.shape[0]
+        queries = self.query_norm(self.queries).expand(batch, -1, -1)
+        mask = None if feature_mask is None else feature_mask[:, None, :].expand(-1, queries.shape[1], -1)
+        for layer in self.layers:
+            queries = layer(queries, features, mask)
+        return self.to_language_model(queries)
+
+
+# ---- the wrapped decoder -----------------------------------------------------------------------------------------
+class LateFusionModel(nn.Module):
+    """A FusionModel decoder fed images by a connector ("llava", "qformer" or "flamingo") over frozen features.
+
+    Images are given in the order their markers appear, row by row. LLaVA and Q-Former: each image is a run of
+    `image_tokens_in_context` placeholder ids `image_token_id`, whose embeddings are replaced by the connector's
+    outputs. Flamingo: each image is one `image_token_id` marker, an ordinary token; the text after it (up to the
+    next marker, inside its document) cross-attends to that image's resampled latents before every decoder block.
+    """
+
+    def __init__(self, decoder: FusionModel, kind: str, image_token_id: int, *,
+                 tokenizer: ImageTokenizer | None = None, feature_dim: int | None = None,
+                 patches_per_image: int | None = None, connector_dim: int | None = None, num_latents: int = 64,
+                 num_queries: int = 32, depth: int = 2, heads: int = 4) -> None:
+        super().__init__()
+        if kind not in KINDS:
+            raise ValueError(f"LateFusionModel: kind {kind!r}; choose one of {KINDS}")
+        if not 0 <= image_token_id < decoder.config.vocab_size:
+            raise ValueError(f"LateFusionModel: image_token_id {image_token_id} is outside the decoder's vocabulary")
+        if tokenizer is None and feature_dim is None:
+            raise ValueError("LateFusionModel: give the image tokenizer, or feature_dim when passing features")
+        self.kind = kind
+        self.image_token_id = image_token_id
+        self.decoder = decoder
+        self.tokenizer = None if tokenizer is None else freeze(tokenizer)  # never trained here
+        feature_dim = feature_dim or tokenizer.config.embed_dim
+        if patches_per_image is None and tokenizer is not None:
+            rows, columns = tokenizer.grid_shape
+            patches_per_image = rows * columns
+        self.patches_per_image = patches_per_image
+        model_dim = decoder.config.dim
+        connector_dim = connector_dim or model_dim
+        self.num_queries = num_queries
+        if kind == "llava":
+            self.connector = LlavaProjector(feature_dim, model_dim)
+        elif kind == "qformer":
+            self.connector = QFormer(feature_dim, connector_dim, num_queries, depth, heads, out_dim=model_dim)
+        else:
+            self.connector = FlamingoConnector(feature_dim, model_dim, decoder.config.n_layers, connector_dim,
+                                               num_latents, depth, heads)
+
+    @property
+    def image_tokens_in_context(self) -> int:
+        """Decoder positions one image costs: h*w patches (LLaVA), M queries (Q-Former), 0 (Flamingo: its marker
+        token is text; the image enters through cross-attention)."""
+        if self.kind == "flamingo":
+            return 0
+        if self.kind == "qformer":
+            return self.num_queries
+        if self.patches_per_image is None:
+            raise ValueError("LateFusionModel: LLaVA's image cost is h*w: give the tokenizer or patches_per_image")
+        return self.patches_per_image
+
+    def parameters_added(self) -> int:
+        """Parameters the connector adds to the decoder (and the frozen tokenizer)."""
+        return sum(p.numel() for p in self.connector.parameters())
+
+    def connector_state_dict(self) -> dict[str, torch.Tensor]:
+        """A copy of the connector's weights (what stage 1 hands to stage 2)."""
+        return {name: tensor.detach().clone() for name, tensor in self.connector.state_dict().items()}
+
+    def load_connector_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load connector weights saved by `connector_state_dict` (strict: every name must match)."""
+        self.connector.load_state_dict(state)
+
+    def train(self, mode: bool = True) -> LateFusionModel:
+        """Set train/eval mode, keeping frozen parts (the tokenizer, a frozen decoder) in eval mode."""
+        super().train(mode)
+        for part in (self.tokenizer, self.decoder):
+            if part is not None and not any(p.requires_grad for p in part.parameters()):
+                part.eval()  # a frozen decoder must compute the function it was trained to, without dropout
+        return self
+
+    # ---- forward -------------------------------------------------------------------------------------------------
+    def image_features(self, pixels: torch.Tensor | None, features: torch.Tensor | None) -> torch.Tensor:
+        """The images' features (N, P, C): given directly, or from the frozen tokenizer's encoder."""
+        if (pixels is None) == (features is None):
+            raise ValueError("LateFusionModel: give exactly one of pixels and features")
+        if features is not None:
+            return features
+        if self.tokenizer is None:
+            raise ValueError("LateFusionModel: pixels need the image tokenizer; pass features instead")
+        return frozen_image_features(self.tokenizer, pixels)
+
+    def hidden(self, input_ids: torch.Tensor, pixels: torch.Tensor | None = None, *,
+               features: torch.Tensor | None = None, feature_mask: torch.Tensor | None = None,
+               document_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The decoder's final normed hidden states (B, T, dim) with the images fused in."""
+        image_features = self.image_features(pixels, features)
+        if self.kind == "flamingo":
+            return self._flamingo_hidden(input_ids, image_features, feature_mask, document_ids, position_ids)
+        if self.kind == "llava":
+            if feature_mask is not None:
+                raise ValueError("LateFusionModel: LLaVA places every patch in the sequence; it takes no feature_mask")
+            image_embeds = self.connector(image_features)
+        else:
+            image_embeds = self.connector(image_features, feature_mask)
+        is_image = input_ids == self.image_token_id
+        if int(is_image.sum()) != image_embeds.shape[0] * image_embeds.shape[1]:
+            raise ValueError(
+                f"LateFusionModel: {int(is_image.sum())} placeholder positions, but {image_embeds.shape[0]} images "
+                f"x {image_embeds.shape[1]} embeddings each ({self.kind} costs {image_embeds.shape[1]} per image)"
+            )
+        embeds = self.decoder.embed(input_ids)
+        # fills the placeholder positions in row-major order: image i's embeddings land in the i-th run
+        embeds = embeds.masked_scatter(is_image[..., None], image_embeds.to(embeds.dtype))
+        return self.decoder.forward_hidden(input_ids, position_ids, document_ids, inputs_embeds=embeds)
+
+    def _flamingo_hidden(self, input_ids: torch.Tensor, image_features: torch.Tensor,
+                         feature_mask: torch.Tensor | None, document_ids: torch.Tensor | None,
+                         position_ids: torch.Tensor | None) -> torch.Tensor:
+        is_marker = input_ids == self.image_token_id
+        per_row = is_marker.sum(dim=1)
+        if int(per_row.sum()) != image_features.shape[0]:
+            raise ValueError(f"LateFusionModel: {int(per_row.sum())} image markers, but {image_features.shape[0]} "
+                             "images")
+        latents = self.connector.resampler(image_features, feature_mask)  # (N, K, media_dim)
+        # rows hold different numbers of images: place image i at (its row, its rank in the row), zero-padded;
+        # the mask keeps every token off the padding slots
+        rows = is_marker.nonzero()[:, 0]
+        slots = is_marker.long().cumsum(dim=1)[is_marker] - 1
+        num_media = max(int(per_row.max()), 1) if per_row.numel() else 1
+        media = latents.new_zeros(input_ids.shape[0], num_media, *latents.shape[1:])
+        media = media.index_put((rows, slots), latents)
+        mask = media_mask(media_index(input_ids, self.image_token_id, document_ids), num_media)
+
+        def before_layer(index: int, x: torch.Tensor) -> torch.Tensor:
+            return self.connector.gated[index](x, media, mask)
+
+        return self.decoder.forward_hidden(input_ids, position_ids, document_ids, before_layer=before_layer)
+
+    def labels(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Next-token targets (B, T-1): input_ids shifted by one, -100 where the target is an image position or
+        crosses into another document (or padding)."""
+        targets = input_ids[:, 1:].masked_fill(input_ids[:, 1:] == self.image_token_id, IGNORE_INDEX)
+        if document_ids is not None:
+            same_document = (document_ids[:, :-1] == document_ids[:, 1:]) & (document_ids[:, 1:] >= 0)
+            targets = targets.masked_fill(~same_document, IGNORE_INDEX)
+        return targets
+
+    def forward(self, input_ids: torch.Tensor, pixels: torch.Tensor | None = None, *,
+                features: torch.Tensor | None = None, feature_mask: torch.Tensor | None = None,
+                document_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                return_loss: bool = False) -> torch.Tensor:
+        """Logits (B, T, vocab) in fp32; with return_loss, the mean next-token CE over text targets only."""
+        hidden = self.hidden(input_ids, pixels, features=features, feature_mask=feature_mask,
+                             document_ids=document_ids, position_ids=position_ids)
+        if not return_loss:
+            return self.decoder.head(hidden).float()
+        # the last position predicts nothing: skip its head matmul
+        logits = self.decoder.head(hidden[:, :-1]).float()
+        targets = self.labels(input_ids, document_ids)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+
+# ---- training stages ---------------------------------------------------------------------------------------------
+# (kind, stage) -> does the decoder train too? The connector always trains and the tokenizer never does.
+STAGES: dict[tuple[str, int], bool] = {
+    ("llava", 1): False,  # feature alignment: only the projector learns, on caption data
+    ("llava", 2): True,  # visual instruction tuning: projector and language model
+    ("qformer", 2): False,  # BLIP-2's generative stage: Q-Former + projection learn, the LM stays frozen
+    ("flamingo", 1): False,  # Flamingo's single stage: resampler + gated layers learn, the LM stays frozen
+}
+
+
+def set_stage(model: LateFusionModel, stage: int) -> list[nn.Parameter]:
+    """Freeze and unfreeze for one training stage of the model's kind; returns the trainable parameters."""
+    if (model.kind, stage) not in STAGES:
+        known = sorted(s for kind, s in STAGES if kind == model.kind)
+        hint = ""
+        if model.kind == "qformer" and stage == 1:
+            hint = (" (BLIP-2's stage 1 trains the Q-Former against a text encoder with contrastive, matching and "
+                    "generation losses, which this module does not implement: load such weights with "
+                    "load_connector_state_dict)")
+        raise ValueError(f"set_stage: {model.kind} has stages {known}, not {stage}{hint}")
+    unfreeze(model.connector)
+    if STAGES[(model.kind, stage)]:
+        unfreeze(model.decoder)
+    else:
+        freeze(model.decoder)
+    if model.tokenizer is not None:
+        freeze(model.tokenizer)
+    model.train(model.training)  # re-apply the eval mode of what is now frozen
+    return [p for p in model.parameters() if p.requires_grad]
