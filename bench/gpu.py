@@ -233,21 +233,27 @@ def generate_image(model: FusionModel, prompt: torch.Tensor, n_tokens: int, stre
     return codes
 
 
-def bench_image(config: FusionConfig, *, n_tokens: int, stream_counts: list[int], repeats: int,
-                device: torch.device, dtype: torch.dtype, bandwidth: float, deadline: float = float("inf")) -> dict:
-    """Seconds per image and per token with a KV cache, and the fraction of the weight-bandwidth bound."""
+def _decoding_model(config: FusionConfig, device: torch.device, dtype: torch.dtype) -> tuple[FusionModel, int, int]:
+    """(model with random weights made directly on the device in `dtype`, weight bytes, bytes a decode step reads)."""
     _free(device)
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = FusionModel(config).eval()  # random weights, made directly on the device in `dtype`
+            model = FusionModel(config).eval()
     finally:
         torch.set_default_dtype(previous)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     # per decoding step every matrix is read once; the input embedding only one row per stream
     streamed_bytes = weight_bytes - model.embed.weight.numel() * model.embed.weight.element_size()
+    return model, weight_bytes, streamed_bytes
+
+
+def bench_image(config: FusionConfig, *, n_tokens: int, stream_counts: list[int], repeats: int,
+                device: torch.device, dtype: torch.dtype, bandwidth: float, deadline: float = float("inf")) -> dict:
+    """Seconds per image and per token with a KV cache, and the fraction of the weight-bandwidth bound."""
+    model, weight_bytes, streamed_bytes = _decoding_model(config, device, dtype)
     bound = decode_seconds_bound(streamed_bytes, bandwidth)
     generator = torch.Generator(device=device).manual_seed(0)
     prompt = torch.randint(config.image_offset + config.image_codes, config.vocab_size, (1, 32), device=device)
@@ -298,17 +304,7 @@ def bench_sampler(*, dry_run: bool, batches: list[int], device: torch.device, dt
     vocab = train_unified_vocab(["a picture of a red circle on a blue square"] * 20, vocab_size=shape.vocab_size,
                                 image_codes=shape.image_codes)
     config = dataclasses.replace(shape, image_offset=vocab.image_offset)
-    _free(device)
-    torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = FusionModel(config).eval()
-    finally:
-        torch.set_default_dtype(previous)
-    streamed_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    streamed_bytes -= model.embed.weight.numel() * model.embed.weight.element_size()
+    model, _, streamed_bytes = _decoding_model(config, device, dtype)
     bound = decode_seconds_bound(streamed_bytes, bandwidth)
     grid = (4, 4) if dry_run else (32, 32)
     n_steps = grid[0] * grid[1] + 2  # <boi>, codes, <eoi>: one forward each (the first is the prefill)

@@ -90,7 +90,9 @@ class FusionCLI(LightningCLI):
             saved = getattr(callback, "_last_global_step_saved", None)
             if getattr(callback, "save_last", None) and callback.dirpath and saved != trainer.global_step:
                 path = Path(callback.dirpath) / f"{callback.CHECKPOINT_NAME_LAST}{callback.FILE_EXTENSION}"
-                trainer.save_checkpoint(path)
+                # a full checkpoint (optimizer, loops) to resume from; said explicitly, or Lightning logs that
+                # "weights_only was not set", which reads like an unsafe load
+                trainer.save_checkpoint(path, weights_only=False)
                 callback.last_model_path = str(path)
                 if trainer.is_global_zero:
                     print(f"fit: saved the final step {trainer.global_step} to {path}", flush=True)

@@ -387,7 +387,8 @@ class InstabilityWarning(L.Callback):
         if events and self.save_checkpoint and due:
             # every rank decides alike (the monitor's values are gathered), as a sharded save needs all of them
             self._last_save_point = self._points
-            trainer.save_checkpoint(Path(trainer.default_root_dir) / "checkpoints" / f"warning-step={step}.ckpt")
+            trainer.save_checkpoint(Path(trainer.default_root_dir) / "checkpoints" / f"warning-step={step}.ckpt",
+                                    weights_only=False)  # full, to resume from just before the warning
 
     def check(self, step: int, metrics: dict[str, float]) -> list[dict[str, Any]]:
         """The warnings that one monitor point raises (and update the windows)."""
