@@ -72,6 +72,11 @@ class SamplingConfig:
             self.image_grid = (int(self.image_grid[0]), int(self.image_grid[1]))
             if min(self.image_grid) < 1:
                 raise ValueError(f"SamplingConfig.image_grid={self.image_grid} must be positive")
+        if self.compile and not self.use_kv_cache:
+            raise ValueError(
+                "SamplingConfig.compile needs the KV cache: without it every step has a new shape and would compile "
+                "again; drop --no-kv-cache or --compile"
+            )
         if self.compile and self.speculative_window:
             raise ValueError(
                 "SamplingConfig.compile and speculative_window do not combine: speculative decoding feeds chunks "

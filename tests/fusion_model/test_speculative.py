@@ -258,6 +258,8 @@ def test_bad_speculative_settings_are_refused(vocab):
             SamplingConfig(speculative_window=window)
     with pytest.raises(ValueError, match="choose one"):
         SamplingConfig(speculative_window=4, compile=True)
+    with pytest.raises(ValueError, match="needs the KV cache"):
+        SamplingConfig(use_kv_cache=False, compile=True)
     model = tiny_model(vocab, image_bidirectional=True)
     with pytest.raises(ValueError, match="image_bidirectional"):
         generate_ids(model, vocab, [[vocab.bos_id]], SamplingConfig(mode="image", image_grid=(2, 2), speculative_window=2))
