@@ -458,7 +458,9 @@ def _new_race(config: SamplingConfig, rows: int, vocab_size: int, device: torch.
     return torch.empty(rows, vocab_size, device=device)
 
 
-def _sample(logits: torch.Tensor, in_image: torch.Tensor, config: SamplingConfig, race: torch.Tensor | None) -> torch.Tensor:
+def _sample(
+    logits: torch.Tensor, in_image: torch.Tensor, config: SamplingConfig, race: torch.Tensor | None
+) -> torch.Tensor:
     """One id per row, with the temperature / top-k / top-p of the row's modality; race None means greedy."""
     if race is None:  # top-k / top-p always keep the most likely id
         return logits.argmax(dim=-1)
@@ -595,7 +597,8 @@ class _PlainStep:
 
     def __init__(self, decoder: _Decoder, streams: Streams, rules: ModalityRules, seen: _SeenText | None,
                  config: SamplingConfig, race: torch.Tensor | None, pad_id: int, out: torch.Tensor):
-        self.decoder, self.rules, self.seen, self.config, self.pad_id, self.out = decoder, rules, seen, config, pad_id, out
+        self.decoder, self.rules, self.seen, self.config = decoder, rules, seen, config
+        self.pad_id, self.out = pad_id, out
         self.n_prompts, self.n_streams = streams.n_prompts, streams.n_streams
         self.token = torch.full((self.n_prompts,), pad_id, dtype=torch.long, device=out.device)
         self.column = torch.zeros((), dtype=torch.long, device=out.device)  # where the next token goes in `out`
