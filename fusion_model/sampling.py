@@ -639,9 +639,11 @@ def compiled_step(step: _PlainStep, device: torch.device):
 
     The compiled code is cached on the step's code, so later calls with the same shapes and settings reuse it.
     """
-    if device.type == "cuda":
-        for tensor in step.state():  # mutated in place between replays: the graph must see fixed addresses
-            torch._dynamo.mark_static_address(tensor)
+    # The state is mutated in place between replays, so a CUDA graph must take it at fixed addresses. guard=False:
+    # a later generate call (new tensors) re-records the graph instead of recompiling. Marked on every device, so
+    # the CPU tests run this too (only CUDA graphs read the mark).
+    for tensor in step.state():
+        torch._dynamo.mark_static_address(tensor, guard=False)
     mode = "reduce-overhead" if device.type == "cuda" else None
     return torch.compile(step.__call__, fullgraph=True, dynamic=False, mode=mode)
 
