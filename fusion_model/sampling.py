@@ -525,7 +525,7 @@ def generate_ids(
         generator = torch.Generator(device=device).manual_seed(int(config.seed))
     columns = max(rules.steps, 1)
     if config.compile:  # the compiled step's shapes then repeat across prompt lengths (as its cache's)
-        columns = -(-columns // COMPILED_CACHE_MULTIPLE) * COMPILED_CACHE_MULTIPLE
+        columns = _round_up(columns, COMPILED_CACHE_MULTIPLE)
     out = torch.full((streams.n_prompts, columns), vocab.pad_id, dtype=torch.long, device=device)
 
     was_training = model.training
@@ -580,6 +580,11 @@ def _plain_decode(
 CHECK_DONE_EVERY = 32
 # a compiled step is specialised to its shapes; rounding the cache up lets prompts of other lengths reuse it
 COMPILED_CACHE_MULTIPLE = 128
+
+
+def _round_up(count: int, multiple: int) -> int:
+    """The smallest multiple of `multiple` that is >= count."""
+    return -(-count // multiple) * multiple
 
 
 def _draw_race(race: torch.Tensor | None, generator: torch.Generator | None) -> torch.Tensor | None:
@@ -677,7 +682,7 @@ class _Decoder:
             self.pos[i, width - len(r) :] = torch.arange(len(r), device=device)
         self.next_pos = torch.tensor([len(r) for r in rows], device=device)
         self.max_pos = int(model.config.max_seq_len) - 1
-        length = -(-(width + steps + extra_cache) // cache_multiple) * cache_multiple
+        length = _round_up(width + steps + extra_cache, cache_multiple)
         self.cache = model.new_kv_cache(n, length, device=device) if use_cache else None
         self.slot = torch.tensor(width, device=device)  # the cache index of the next single-token step
 
