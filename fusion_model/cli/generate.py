@@ -205,7 +205,8 @@ def run(args: argparse.Namespace) -> dict[str, Path]:
 
         image_tokenizer = ImageTokenizer.from_pretrained(args.image_tokenizer, map_location=args.device)
     if config.compile:  # otherwise the first batch is silent for the length of the compile
-        print("generate: compiling the decode step (once per batch shape and settings; 9-21 s on 2 CPU cores)", flush=True)
+        print("generate: compiling the decode step (once per batch shape and settings; 9-21 s on 2 CPU cores)",
+              flush=True)
     samples, ids = [], []
     for k, start in enumerate(range(0, len(prompts), args.batch_size)):
         batch_config = replace(config, seed=config.seed + k)
