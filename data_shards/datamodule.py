@@ -37,15 +37,19 @@ class FusionDataModule(L.LightningDataModule):
         shuffle: bool = True,
         vocab: str | None = None,
         image_tokenizer: str | None = None,
+        image_features: bool | None = None,
     ) -> None:
         """train_dir/val_dir: token-shard directories; batch_size is per device (micro-batch);
-        vocab (tokenizer.json) and image_tokenizer (a bundle directory) enable the fingerprint checks."""
+        vocab (tokenizer.json) and image_tokenizer (a bundle directory) enable the fingerprint checks;
+        image_features: batches carry the shards' image features (None: when the model reads them, i.e. a
+        late-fusion model)."""
         super().__init__()
         self.save_hyperparameters()
         self.train_dir, self.val_dir = train_dir, val_dir
         self.seq_len, self.batch_size, self.num_workers = seq_len, batch_size, num_workers
         self.seed, self.shuffle = seed, shuffle
         self.vocab, self.image_tokenizer = vocab, image_tokenizer
+        self.image_features = image_features
         self._checked = None  # the model config `check` last accepted
 
     def setup(self, stage: str) -> None:
@@ -78,8 +82,12 @@ class FusionDataModule(L.LightningDataModule):
 
     def _loader(self, directory: str, shuffle: bool, num_workers: int):
         rank, world = self._rank_world()
+        features = self.image_features
+        if features is None:
+            module = self.trainer.lightning_module if self.trainer is not None else None
+            features = bool(getattr(module, "reads_image_features", False))
         stream = PackedTokenStream(directory, self.seq_len, self.batch_size, seed=self.seed, rank=rank,
-                                   world_size=world, shuffle=shuffle)
+                                   world_size=world, shuffle=shuffle, image_features=features)
         return make_dataloader(stream, num_workers=num_workers)
 
     def train_dataloader(self):

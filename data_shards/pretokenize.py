@@ -10,6 +10,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 from tqdm import tqdm
@@ -18,8 +19,11 @@ from data_shards.raw import ShardError, iter_raw_shard, read_raw_manifest
 from data_shards.token_shards import read_shard_meta, sha256_file, write_manifest, write_token_shard
 from tokenizer.image.preprocess import ImageLoadError, open_image
 
-# Settings that change the ids; a finished shard is reused only if they all match.
-_REUSE_FIELDS = ("vocab_fingerprint", "image_tokenizer_fingerprint", "vocab_size", "flip_probability", "seed")
+# Settings that change what a shard holds; a finished shard is reused only if they all match.
+_REUSE_FIELDS = ("vocab_fingerprint", "image_tokenizer_fingerprint", "vocab_size", "flip_probability", "seed",
+                 "features")
+# What shards written before a field existed hold for it.
+_REUSE_DEFAULTS = {"features": False}
 
 
 def flip_pair(key: str, seed: int, probability: float) -> bool:
@@ -45,17 +49,30 @@ def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: 
     documents: list[list[int]] = []
     pending: list[tuple[str, list]] = []
     images_done = 0
+    with_features = bool(info.get("features"))
+    features: list[np.ndarray] = []  # per image (h*w, C) float16, in the order the images appear in the ids
 
     def flush() -> None:
         nonlocal images_done
         images = [s for _, segments in pending for s in segments if isinstance(s, Image.Image)]
         grids: list[torch.Tensor] = []
+        image_features: list[torch.Tensor] = []
         for start in range(0, len(images), batch_size):
+            chunk = images[start : start + batch_size]
             with torch.inference_mode():
-                grids.extend(image_tokenizer.encode(images[start : start + batch_size]).cpu())
-        grid_iter = iter(grids)
+                # plain `encode` without features: an image tokenizer then needs only encode/grid_shape/fingerprint
+                if with_features:
+                    codes, feats = image_tokenizer.encode_with_features(chunk)
+                    image_features.extend(feats.float().cpu())
+                else:
+                    codes = image_tokenizer.encode(chunk)
+            grids.extend(codes.cpu())
+        grid_iter, feature_iter = iter(grids), iter(image_features)
         for key, segments in pending:
             segments = [next(grid_iter) if isinstance(s, Image.Image) else s for s in segments]
+            if with_features:
+                features.extend(next(feature_iter).numpy().astype(np.float16)
+                                for s in segments if not isinstance(s, str))
             try:
                 ids = vocab.encode_document(segments, bos=True, eos=True)
             except (ValueError, IndexError) as err:
@@ -89,8 +106,13 @@ def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: 
     if sha256_file(raw_path) != raw_sha256:
         raise ShardError(f"shard {raw_path}: the raw shard changed while it was being tokenized; run "
                          "`shards tokenize` again once it is no longer being written")
+    stacked = None
+    if with_features:
+        dim = image_tokenizer.config.embed_dim
+        stacked = np.concatenate(features) if features else np.zeros((0, dim), dtype=np.float16)
     return write_token_shard(out_dir, name, keys, documents,
-                             {**info, "images": images_done, "source": raw_path.name, "raw_sha256": raw_sha256})
+                             {**info, "images": images_done, "source": raw_path.name, "raw_sha256": raw_sha256},
+                             features=stacked)
 
 
 # How often, at most, a plain progress line is printed when stderr is a log file rather than a terminal.
@@ -187,6 +209,7 @@ def pretokenize(
     num_workers: int = 1,
     batch_size: int = 64,
     progress: bool = True,
+    features: bool = False,
 ) -> dict:
     """Turn every raw shard of `raw_dir` into a token shard in `out_dir`; returns the written manifest.
     `progress`: samples done, samples/s and ETA on stderr (`TokenizeProgress`).
@@ -194,8 +217,11 @@ def pretokenize(
     Finished shards (same raw tar bytes by sha256, vocabulary, image tokenizer, flip probability and seed)
     are skipped, so an interrupted run resumes; a shard whose raw tar changed is tokenized again. Each
     shard's files are written tmp + rename, its meta last.
-    `image_tokenizer` may be None for text-only data.
+    `image_tokenizer` may be None for text-only data. `features`: also store each image's pre-quantisation
+    features (float16, one row per image-code position, `NAME.features.npy`), which late-fusion connectors read.
     """
+    if features and image_tokenizer is None:
+        raise ValueError("features=True needs the image tokenizer: its encoder computes the features")
     if not 0.0 <= flip_probability <= 1.0:
         raise ValueError(f"flip_probability must be in [0, 1], got {flip_probability}")
     raw_dir, out_dir = Path(raw_dir), Path(out_dir)
@@ -210,6 +236,7 @@ def pretokenize(
         "vocab_size": int(vocab.vocab_size),
         "flip_probability": float(flip_probability),
         "seed": int(seed),
+        "features": bool(features),
     }
     metas: dict[str, dict] = {}
     todo: list[tuple[Path, str]] = []
@@ -218,8 +245,8 @@ def pretokenize(
         meta = read_shard_meta(out_dir, name)
         # reuse keys on the raw bytes too: the same shard names in a rewritten raw directory hold other documents
         raw_sha256 = sha256_file(raw_dir / shard["name"])
-        if meta is not None and any(meta.get(f) != info[f] for f in _REUSE_FIELDS):
-            changed = [f for f in _REUSE_FIELDS if meta.get(f) != info[f]]
+        if meta is not None and any(meta.get(f, _REUSE_DEFAULTS.get(f)) != info[f] for f in _REUSE_FIELDS):
+            changed = [f for f in _REUSE_FIELDS if meta.get(f, _REUSE_DEFAULTS.get(f)) != info[f]]
             raise ShardError(f"{out_dir}: shard {name} was tokenized with other settings ({', '.join(changed)}); "
                              "use an empty output directory")
         if meta is not None and meta.get("raw_sha256") == raw_sha256:
@@ -259,6 +286,11 @@ def pretokenize(
         "eos_id": int(vocab.eos_id),
         "image_offset": int(vocab.image_offset),
         "image_codes": int(vocab.image_codes),
+        "boi_id": int(vocab.boi_id),
+        "eoi_id": int(vocab.eoi_id),
+        "image_placeholder_id": int(vocab.image_placeholder_id),
+        # per image-code position, when the shards carry the features late-fusion models read
+        "feature_dim": int(image_tokenizer.config.embed_dim) if features else None,
         "grid_shape": list(image_tokenizer.grid_shape) if image_tokenizer is not None else None,
         "flip_probability": info["flip_probability"],
         "seed": info["seed"],

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from data_shards.raw import ShardError
 from data_shards.token_shards import TokenShard, read_manifest
 
 
@@ -110,6 +111,9 @@ def _advance(start: int, taken, count: int, num_rows: int) -> tuple[int, list[in
 class PackedTokenStream(IterableDataset):
     """Batches {input_ids, document_ids, position_ids} (LongTensors (B, T)) from a token shard directory.
 
+    With `image_features`, batches also hold `image_features` (B, T, C) float32: each image-code position's
+    pre-quantisation feature (zeros elsewhere), from shards tokenized with `--features`.
+
     One pass is one epoch of `len(self)` batches for this rank; `set_epoch(e)` chooses the shuffle.
     Use `make_dataloader` for exact resume with workers (and under Lightning).
     """
@@ -125,12 +129,17 @@ class PackedTokenStream(IterableDataset):
         world_size: int | None = None,
         shuffle: bool = True,
         check_ids: bool = True,
+        image_features: bool = False,
     ) -> None:
         super().__init__()
         if seq_len < 1 or batch_size < 1:
             raise ValueError(f"seq_len and batch_size must be positive, got {seq_len}, {batch_size}")
         self.token_dir = Path(token_dir)
         self.manifest = read_manifest(token_dir)
+        self.image_features = image_features
+        if image_features and not self.manifest.get("feature_dim"):
+            raise ShardError(f"{self.token_dir} holds no image features (late-fusion models read them): re-run "
+                             "`train.py shards tokenize --features` into a fresh directory")
         self.seq_len, self.batch_size, self.seed, self.shuffle = seq_len, batch_size, seed, shuffle
         self.rank, self.world_size = rank, world_size
         self.check_ids = check_ids
@@ -332,6 +341,10 @@ class PackedTokenStream(IterableDataset):
         input_ids = np.full((b, t), self.pad_id, dtype=np.int64)
         document_ids = np.full((b, t), -1, dtype=np.int64)
         position_ids = np.zeros((b, t), dtype=np.int64)
+        features = None
+        if self.image_features:
+            features = np.zeros((b, t, int(self.manifest["feature_dim"])), dtype=np.float32)
+            image_offset, image_codes = int(self.manifest["image_offset"]), int(self.manifest["image_codes"])
         for i, row in enumerate(rows.tolist()):
             if row < 0:
                 continue
@@ -346,12 +359,18 @@ class PackedTokenStream(IterableDataset):
                 input_ids[i, cursor : cursor + length] = chunk
                 document_ids[i, cursor : cursor + length] = doc
                 position_ids[i, cursor : cursor + length] = np.arange(length)
+                if features is not None:
+                    at = np.flatnonzero((chunk >= image_offset) & (chunk < image_offset + image_codes))
+                    features[i, cursor + at] = shard.image_features(start, start + length, image_offset, image_codes)
                 cursor += length
-        return {
+        batch = {
             "input_ids": torch.from_numpy(input_ids),
             "document_ids": torch.from_numpy(document_ids),
             "position_ids": torch.from_numpy(position_ids),
         }
+        if features is not None:
+            batch["image_features"] = torch.from_numpy(features)
+        return batch
 
     def __iter__(self):
         worker = get_worker_info()

@@ -35,6 +35,7 @@ MANIFEST_FIELDS = {
 # The vocabulary layout recorded since checksums were added; older manifests lack these (checks then skip them).
 LAYOUT_FIELDS = ("vocab_size", "image_offset", "image_codes", "pad_id", "bos_id", "eos_id")
 SHARD_FILES = (".ids.npy", ".offsets.npy", ".keys.json")
+FEATURES_FILE = ".features.npy"  # optional: pre-quantisation image features, one row per image-code position
 _REMEDY = "the shard is corrupt or stale: re-run `train.py shards tokenize` into a fresh directory"
 _HASH_CHUNK = 8 << 20
 # (path, size, mtime_ns) -> sha256 of files already checked in this process (inherited by forked workers).
@@ -87,8 +88,12 @@ def check_file(path: Path, expected: dict) -> None:
     _VERIFIED[key] = actual
 
 
-def write_token_shard(out_dir: str | Path, name: str, keys: list[str], documents: list[list[int]], info: dict) -> dict:
-    """Write one token shard atomically (ids, offsets, then meta last); returns its meta."""
+def write_token_shard(out_dir: str | Path, name: str, keys: list[str], documents: list[list[int]], info: dict,
+                      features: np.ndarray | None = None) -> dict:
+    """Write one token shard atomically (ids, offsets, then meta last); returns its meta.
+
+    `features` (rows, C) float16: one row per image-code position of the ids, in order (late fusion reads them).
+    """
     out_dir = Path(out_dir)
     vocab_size = info["vocab_size"]
     lengths = np.array([len(d) for d in documents], dtype=np.int64)
@@ -106,6 +111,11 @@ def write_token_shard(out_dir: str | Path, name: str, keys: list[str], documents
         f"{name}.keys.json": _write_checked(out_dir / f"{name}.keys.json",
                                             (json.dumps(keys, indent=2) + "\n").encode()),
     }
+    if features is not None:
+        if features.ndim != 2:
+            raise ValueError(f"shard {name}: features must be (rows, dim), got shape {features.shape}")
+        files[f"{name}{FEATURES_FILE}"] = _write_checked(out_dir / f"{name}{FEATURES_FILE}",
+                                                         _npy_bytes(features.astype(np.float16)))
     meta = {
         "name": name,
         "documents": len(documents),
@@ -193,6 +203,8 @@ class TokenShard:
         self.name = name
         self.vocab_size = vocab_size
         self._keys: list[str] | None = None
+        self._features: np.ndarray | None = None
+        self._feature_start: np.ndarray | None = None
         ids_path, offsets_path = self.path(".ids.npy"), self.path(".offsets.npy")
         self.meta = read_shard_meta(self.token_dir, name)
         if self.meta is None:
@@ -235,7 +247,8 @@ class TokenShard:
         """Check each file's size and sha256 against the meta (no-op for shards written without checksums)."""
         if not self.has_checksums:
             return
-        for suffix in SHARD_FILES:
+        optional = (FEATURES_FILE,) if self.has_features else ()
+        for suffix in SHARD_FILES + optional:
             expected = self.meta["files"].get(f"{self.name}{suffix}")
             if not isinstance(expected, dict):
                 raise ShardError(f"{self.path('.meta.json')}: no checksum for {self.name}{suffix}; {_REMEDY}")
@@ -249,6 +262,35 @@ class TokenShard:
                         except ShardError as id_err:
                             raise ShardError(f"{id_err} ({err})") from err
                 raise
+
+    @property
+    def has_features(self) -> bool:
+        """Whether the shard stores image features (written by `shards tokenize --features`)."""
+        return self.has_checksums and f"{self.name}{FEATURES_FILE}" in self.meta["files"]
+
+    def image_features(self, start: int, stop: int, image_offset: int, image_codes: int) -> np.ndarray:
+        """The features (n, C) float16 of the image-code positions among ids [start, stop), in order."""
+        if self._features is None:
+            if not self.has_features:
+                raise ShardError(f"shard {self.name} in {self.token_dir} stores no image features; re-run "
+                                 "`train.py shards tokenize --features` into a fresh directory")
+            try:
+                self._features = np.load(self.path(FEATURES_FILE), mmap_mode="r", allow_pickle=False)
+            except Exception as err:  # noqa: BLE001 - a damaged .npy header surfaces as almost anything
+                raise ShardError(f"shard {self.name}: unreadable {self.path(FEATURES_FILE)} ({err}); {_REMEDY}") from err
+            is_code = (self.ids >= image_offset) & (self.ids < image_offset + image_codes)
+            # rows before each document: a piece then needs only a count within its own document
+            self._feature_start = np.concatenate([[0], np.cumsum(is_code, dtype=np.int64)])[self.offsets]
+            if self._feature_start[-1] != len(self._features):
+                raise ShardError(f"shard {self.name}: {len(self._features)} feature rows in "
+                                 f"{self.path(FEATURES_FILE)} for {int(self._feature_start[-1])} image-code positions; "
+                                 f"{_REMEDY}")
+        document = int(np.searchsorted(self.offsets, start, side="right") - 1)
+        doc_start = int(self.offsets[document])
+        ids = self.ids[doc_start:stop]
+        is_code = (ids >= image_offset) & (ids < image_offset + image_codes)
+        first = int(self._feature_start[document]) + int(is_code[: start - doc_start].sum())
+        return self._features[first : first + int(is_code[start - doc_start :].sum())]
 
     def __len__(self) -> int:
         """Documents in the shard."""

@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="processes, each tokenizing whole shards on one thread; auto: the cores other processes "
                           "leave idle (measured at start)")
     tok.add_argument("--batch-size", type=int, default=64, help="images per image-tokenizer call")
+    tok.add_argument("--features", action="store_true",
+                     help="also store each image's pre-quantisation features from the image tokenizer's encoder "
+                          "(float16, embed_dim per code position): what late-fusion models (model.late_fusion) read")
     tok.add_argument("--no-progress", action="store_true", help="print no progress (by default: a bar on a terminal, "
                      "otherwise a plain line at most every 30 s with samples/s and ETA)")
 
@@ -114,6 +117,8 @@ def _tokenize(args: argparse.Namespace) -> int:
     if workers == 1:  # in this process: one thread, as each worker process uses
         choose_threads(1, log=None)
     read_raw_manifest(args.raw)  # fail before loading models
+    if args.features and not args.image_tokenizer:
+        raise ValueError("--features needs --image-tokenizer: its encoder computes the features")
     vocab = UnifiedVocab.load(args.vocab)
     image_tokenizer = None
     if args.image_tokenizer:
@@ -122,7 +127,7 @@ def _tokenize(args: argparse.Namespace) -> int:
         image_tokenizer = ImageTokenizer.from_pretrained(args.image_tokenizer).eval()
     manifest = pretokenize(args.raw, args.out, vocab, image_tokenizer, flip_probability=args.flip_probability,
                            seed=args.seed, num_workers=workers, batch_size=args.batch_size,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, features=args.features)
     print(f"{manifest['documents']} documents, {manifest['tokens']} tokens, {manifest['images']} images "
           f"in {len(manifest['shards'])} token shards at {args.out}")
     return 0

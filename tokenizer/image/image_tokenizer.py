@@ -102,16 +102,31 @@ class ImageTokenizer(nn.Module):
     @torch.no_grad()
     def encode(self, images: Any, batch_size: int = 32) -> torch.LongTensor:
         """Codes (B, h, w) for PIL images, paths, bytes, or a float tensor (B, 3, H, W) in [-1, 1]."""
+        return self.encode_with_features(images, batch_size, features=False)[0]
+
+    @staticmethod
+    def patch_features(latents: torch.Tensor) -> torch.Tensor:
+        """Latents (B, C, h, w) -> one feature per code position (B, h*w, C), in the codes' raster order."""
+        return latents.flatten(2).transpose(1, 2)
+
+    @torch.no_grad()
+    def encode_with_features(self, images: Any, batch_size: int = 32,
+                             features: bool = True) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        """Codes (B, h, w) and, with `features`, the pre-quantisation features (B, h*w, C) they were rounded from:
+        what late-fusion connectors read instead of the codes (one encoder pass gives both)."""
         pixels = self._to_pixels(images)
         dtype = self.quant_conv.weight.dtype
-        chunks = []
+        codes, feats = [], []
         for start in range(0, pixels.shape[0], batch_size):
-            batch = pixels[start : start + batch_size].to(self.device, dtype)
-            chunks.append(self.quantize_codes(self.encode_latents(batch)))
-        if not chunks:
+            latents = self.encode_latents(pixels[start : start + batch_size].to(self.device, dtype))
+            codes.append(self.quantize_codes(latents))
+            if features:
+                feats.append(self.patch_features(latents))
+        if not codes:
             h, w = self.grid_shape
-            return torch.empty(0, h, w, dtype=torch.long, device=self.device)
-        return torch.cat(chunks)
+            empty = torch.empty(0, h * w, self.config.embed_dim, device=self.device) if features else None
+            return torch.empty(0, h, w, dtype=torch.long, device=self.device), empty
+        return torch.cat(codes), torch.cat(feats) if features else None
 
     def quantize_codes(self, latents: torch.Tensor) -> torch.LongTensor:
         """Nearest codes for latents, without touching the EMA codebook (eval-mode quantizer)."""
