@@ -69,3 +69,14 @@ def checkpoint_config(path: str | os.PathLike) -> FusionConfig:
     if not isinstance(config, dict):
         raise ValueError(f"{path} is not a fusion checkpoint (no hyper_parameters['config'])")
     return FusionConfig.from_dict(config)
+
+
+def connector_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """The late-fusion connector's weights in a `train.py fit` checkpoint of an earlier stage (`connector.*`)."""
+    state = load_checkpoint_file(path).get("state_dict") or {}
+    weights = {name.removeprefix("connector."): value for name, value in state.items()
+               if name.startswith("connector.")}
+    if not weights:
+        raise ValueError(f"{path} holds no late-fusion connector (no connector.* weights): give a checkpoint written "
+                         "by `train.py fit` with --model.late_fusion (e.g. the last.ckpt of stage 1)")
+    return weights

@@ -3,6 +3,9 @@ Perceiver resampler + gated cross-attention, all reading the frozen image tokeni
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,8 +23,7 @@ def frozen_image_features(tokenizer: ImageTokenizer, pixels: torch.Tensor) -> to
     # the same encoder early fusion tokenizes with: early fusion rounds these vectors to codes, late fusion
     # reads them as they are, so the two compare on equal vision
     with torch.no_grad():
-        latents = tokenizer.encode_latents(pixels)  # (B, C, h, w)
-    return latents.flatten(2).transpose(1, 2)
+        return tokenizer.patch_features(tokenizer.encode_latents(pixels))
 
 
 def freeze(module: nn.Module) -> nn.Module:
@@ -56,8 +58,10 @@ class CrossAttention(nn.Module):
                 mask: torch.Tensor | None = None) -> torch.Tensor:
         """mask (B, Tq, Tk) bool, True = may attend; a query with no True key gets exactly 0."""
         batch, length, dim = queries.shape
-        q = self.to_q(queries).view(batch, length, self.heads, -1).transpose(1, 2)
-        k, v = self.to_kv(keys_values).view(batch, keys_values.shape[1], 2, self.heads, -1).unbind(2)
+        # an explicit head size, not -1: a batch of no images (a text-only batch) has 0 rows to infer it from
+        head_dim = dim // self.heads
+        q = self.to_q(queries).view(batch, length, self.heads, head_dim).transpose(1, 2)
+        k, v = self.to_kv(keys_values).view(batch, keys_values.shape[1], 2, self.heads, head_dim).unbind(2)
         k, v = k.transpose(1, 2), v.transpose(1, 2)
         sees_any = None
         if mask is not None:
@@ -321,9 +325,9 @@ class LateFusionModel(nn.Module):
         if self.kind == "flamingo":
             return self._flamingo_hidden(input_ids, image_features, feature_mask, document_ids, position_ids)
         if self.kind == "llava":
-            if feature_mask is not None:
-                raise ValueError("LateFusionModel: LLaVA places every patch in the sequence; it takes no feature_mask")
             image_embeds = self.connector(image_features)
+            if feature_mask is not None:  # an image cut at a row boundary keeps only the patches the row holds
+                image_embeds = image_embeds[feature_mask][None]
         else:
             image_embeds = self.connector(image_features, feature_mask)
         is_image = input_ids == self.image_token_id
@@ -389,6 +393,9 @@ class LateFusionModel(nn.Module):
 STAGES: dict[tuple[str, int], bool] = {
     ("llava", 1): False,  # feature alignment: only the projector learns, on caption data
     ("llava", 2): True,  # visual instruction tuning: projector and language model
+    # BLIP-2's representation stage: the Q-Former learns against the frozen encoder alone, with contrastive, matching
+    # and generation losses (fusion_model.qformer_pretraining); the decoder is not used
+    ("qformer", 1): False,
     ("qformer", 2): False,  # BLIP-2's generative stage: Q-Former + projection learn, the LM stays frozen
     ("flamingo", 1): False,  # Flamingo's single stage: resampler + gated layers learn, the LM stays frozen
 }
@@ -398,12 +405,7 @@ def set_stage(model: LateFusionModel, stage: int) -> list[nn.Parameter]:
     """Freeze and unfreeze for one training stage of the model's kind; returns the trainable parameters."""
     if (model.kind, stage) not in STAGES:
         known = sorted(s for kind, s in STAGES if kind == model.kind)
-        hint = ""
-        if model.kind == "qformer" and stage == 1:
-            hint = (" (BLIP-2's stage 1 trains the Q-Former against a text encoder with contrastive, matching and "
-                    "generation losses, which this module does not implement: load such weights with "
-                    "load_connector_state_dict)")
-        raise ValueError(f"set_stage: {model.kind} has stages {known}, not {stage}{hint}")
+        raise ValueError(f"set_stage: {model.kind} has stages {known}, not {stage}")
     unfreeze(model.connector)
     if STAGES[(model.kind, stage)]:
         unfreeze(model.decoder)
@@ -413,3 +415,100 @@ def set_stage(model: LateFusionModel, stage: int) -> list[nn.Parameter]:
         freeze(model.tokenizer)
     model.train(model.training)  # re-apply the eval mode of what is now frozen
     return [p for p in model.parameters() if p.requires_grad]
+
+
+# ---- training through `train.py fit`: options and the early -> late layout of a packed batch ---------------------
+@dataclass(frozen=True)
+class LateFusionConfig:
+    """A connector in front of the decoder (`--model.late_fusion`); ids and feature_dim come from the token shards."""
+
+    kind: str
+    stage: int = 1
+    num_queries: int = 32  # Q-Former: image positions in context per image (BLIP-2: 32)
+    num_latents: int = 64  # Flamingo: resampled vectors per image (Flamingo: 64)
+    depth: int = 2  # Q-Former / Perceiver layers
+    heads: int = 4
+    connector_dim: int | None = None  # Q-Former / Perceiver width (default: the decoder's)
+    init_connector: str | None = None  # a checkpoint of an earlier stage: its connector weights start this run
+    text_len: int = 64  # Q-Former stage 1: caption tokens kept per image-text pair
+    feature_dim: int | None = None
+    image_token_id: int | None = None  # the vocabulary's <image>: LLaVA/Q-Former placeholders, Flamingo's marker
+    boi_id: int | None = None
+    eoi_id: int | None = None
+    special_ids: tuple[int, ...] = ()  # Q-Former stage 1: ids dropped from captions (pad, <s>, </s>, <boi>, <eoi>)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "special_ids", tuple(int(i) for i in self.special_ids))  # YAML gives a list
+        if self.kind not in KINDS:
+            raise ValueError(f"late_fusion.kind {self.kind!r}: choose one of {KINDS}")
+        if (self.kind, self.stage) not in STAGES:
+            stages = sorted(s for kind, s in STAGES if kind == self.kind)
+            raise ValueError(f"late_fusion.stage {self.stage}: {self.kind} trains in stage(s) {stages} here")
+
+    @classmethod
+    def from_dict(cls, values: dict) -> LateFusionConfig:
+        """From a dict, naming unknown keys."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"late_fusion: unknown option(s) {unknown}; known: {sorted(known)}")
+        return cls(**values)
+
+    @property
+    def per_image(self) -> int | None:
+        """Decoder positions per image in the late layout (None: one per patch, as in the early layout)."""
+        return {"llava": None, "qformer": self.num_queries, "flamingo": 1}[self.kind]
+
+
+def late_layout(input_ids: torch.Tensor, document_ids: torch.Tensor, image_features: torch.Tensor, *,
+                config: LateFusionConfig, image_offset: int, image_codes: int, pad_id: int = 0) -> dict:
+    """An early-fusion packed batch (codes in the sequence) -> the same documents as `config.kind` sees them.
+
+    Every run of image codes is one image. LLaVA: each code becomes a placeholder (one position per patch).
+    Q-Former: the run becomes `num_queries` placeholders. Flamingo: <boi> codes <eoi> becomes one marker.
+    Text keeps its order; rows are re-padded at the end and positions restart in each document. Returns
+    input_ids, document_ids, position_ids (B, T'), features (N images, P, C) and feature_mask (N, P): an image
+    cut by a row boundary keeps only the patches its row holds.
+    """
+    batch, length = input_ids.shape
+    real = document_ids >= 0
+    is_code = (input_ids >= image_offset) & (input_ids < image_offset + image_codes) & real
+    continues = torch.zeros_like(is_code)
+    continues[:, 1:] = is_code[:, :-1] & (document_ids[:, 1:] == document_ids[:, :-1])
+    run_start = is_code & ~continues
+    # image index (row-major over the batch) and patch index within the image, at every code position
+    image_of = (run_start.flatten().long().cumsum(0) - 1).view(batch, length)
+    positions = torch.arange(length, device=input_ids.device).expand(batch, length)
+    start_of = torch.where(run_start, positions, -1).cummax(dim=1).values
+    patch_of = positions - start_of
+    num_images = int(run_start.sum())
+    patches = int(patch_of[is_code].max()) + 1 if num_images else 1
+    features = image_features.new_zeros(num_images, patches, image_features.shape[-1])
+    feature_mask = torch.zeros(num_images, patches, dtype=torch.bool, device=input_ids.device)
+    features[image_of[is_code], patch_of[is_code]] = image_features[is_code]
+    feature_mask[image_of[is_code], patch_of[is_code]] = True
+
+    tokens = input_ids.clone()
+    counts = real.long()
+    if config.kind == "llava":
+        tokens[is_code] = config.image_token_id
+    else:
+        counts = counts.masked_fill(is_code, 0).masked_fill(run_start, config.per_image)
+        tokens[run_start] = config.image_token_id
+        if config.kind == "flamingo":  # Flamingo's documents read "<image> caption": the marker replaces the span
+            counts = counts.masked_fill((input_ids == config.boi_id) | (input_ids == config.eoi_id), 0)
+    rows = [(tokens[r].repeat_interleave(counts[r]), document_ids[r].repeat_interleave(counts[r]))
+            for r in range(batch)]
+    new_length = max([1] + [len(ids) for ids, _ in rows])
+    new_ids = input_ids.new_full((batch, new_length), pad_id)
+    new_documents = document_ids.new_full((batch, new_length), -1)
+    for r, (ids, documents) in enumerate(rows):
+        new_ids[r, : len(ids)], new_documents[r, : len(ids)] = ids, documents
+    # positions restart where the document changes
+    new_positions = torch.arange(new_length, device=input_ids.device).expand(batch, new_length)
+    changes = torch.ones_like(new_documents, dtype=torch.bool)
+    changes[:, 1:] = new_documents[:, 1:] != new_documents[:, :-1]
+    first = torch.where(changes, new_positions, 0).cummax(dim=1).values
+    position_ids = torch.where(new_documents >= 0, new_positions - first, 0)
+    return {"input_ids": new_ids, "document_ids": new_documents, "position_ids": position_ids,
+            "features": features, "feature_mask": feature_mask}

@@ -5,9 +5,13 @@ from __future__ import annotations
 import torch
 
 
-def next_token_targets(input_ids: torch.Tensor, document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Targets (B, T-1) = input_ids shifted by one, and where they are valid (same document >= 0)."""
+def next_token_targets(input_ids: torch.Tensor, document_ids: torch.Tensor,
+                       ignore_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Targets (B, T-1) = input_ids shifted by one, and where they are valid (same document >= 0, and not
+    `ignore_id`: late fusion's image placeholders, which carry label -100)."""
     valid = (document_ids[:, :-1] == document_ids[:, 1:]) & (document_ids[:, :-1] >= 0)
+    if ignore_id is not None:
+        valid &= input_ids[:, 1:] != ignore_id
     return input_ids[:, 1:], valid
 
 
@@ -101,13 +105,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def fusion_loss_from_hidden(hidden: torch.Tensor, head_weight: torch.Tensor, input_ids: torch.Tensor,
                             document_ids: torch.Tensor, *, image_offset: int | None, image_codes: int | None,
                             z_loss_coef: float, text_weight: float = 1.0, image_weight: float = 1.0,
-                            chunk_size: int = 4096) -> dict:
+                            chunk_size: int = 4096, ignore_id: int | None = None) -> dict:
     """fusion_loss from final hidden states and the head weight, computed in chunks of valid targets.
 
     With more than one chunk, each chunk's fp32 logits are recomputed in backward, so memory holds one chunk
     of (chunk_size, vocab) logits instead of (B, T, vocab): at T 4,096 x vocab 65,536 that is 1 GiB per row.
     """
-    targets, valid = next_token_targets(input_ids, document_ids)
+    targets, valid = next_token_targets(input_ids, document_ids, ignore_id)
     flat_hidden = hidden[:, :-1][valid]
     targets = targets[valid]
     pieces = []

@@ -103,6 +103,7 @@ class FusionCLI(LightningCLI):
         if config.trainer.get("precision") is None:
             config.trainer.precision = "bf16-mixed" if torch.cuda.is_available() else "32-true"
         derive_model_config(config)
+        derive_late_fusion(config)
         fit_schedule_to_time_budget(config)
         place_outputs_under_root(config, DEFAULT_ROOT)
         use_plain_progress_when_logging_to_a_file(config)
@@ -149,6 +150,37 @@ def derive_model_config(config) -> None:
     seq_len = config.data.get("seq_len")
     if "max_seq_len" not in model_config and seq_len and FusionConfig.from_dict(model_config).max_seq_len < seq_len:
         model_config["max_seq_len"] = int(seq_len)
+
+
+def derive_late_fusion(config) -> None:
+    """Fill a late-fusion model's ids (<image>, <boi>, <eoi>) and feature_dim from the token shards' manifest (ids
+    also from `data.vocab`); refuse shards without features before anything starts."""
+    late = config.model.get("late_fusion")
+    if not isinstance(late, dict):
+        return
+    train_dir = Path(str(config.data.get("train_dir") or ""))
+    manifest: dict = {}
+    if (train_dir / "manifest.json").is_file():
+        from data_shards.token_shards import read_manifest
+
+        manifest = read_manifest(train_dir)
+        if not manifest.get("feature_dim"):
+            raise ValueError(f"data.train_dir {train_dir} holds no image features, which model.late_fusion reads: "
+                             "re-run `train.py shards tokenize --features` into a fresh directory")
+    known = {"feature_dim": manifest.get("feature_dim"), "image_token_id": manifest.get("image_placeholder_id"),
+             "boi_id": manifest.get("boi_id"), "eoi_id": manifest.get("eoi_id")}
+    vocab_path = config.data.get("vocab")
+    if None in (known["image_token_id"], known["boi_id"], known["eoi_id"]) and vocab_path and Path(vocab_path).is_file():
+        from tokenizer.vocab import UnifiedVocab
+
+        vocab = UnifiedVocab.load(vocab_path)
+        known = {**known, "image_token_id": known["image_token_id"] or vocab.image_placeholder_id,
+                 "boi_id": known["boi_id"] or vocab.boi_id, "eoi_id": known["eoi_id"] or vocab.eoi_id}
+    for key, value in known.items():
+        if value is not None:
+            late.setdefault(key, int(value))
+    specials = [manifest.get(k) for k in ("pad_id", "bos_id", "eos_id")] + [known["boi_id"], known["eoi_id"]]
+    late.setdefault("special_ids", [int(i) for i in specials if i is not None])
 
 
 def fit_schedule_to_time_budget(config) -> None:

@@ -9,9 +9,12 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from fusion_model.checkpoint import architecture_differences, checkpoint_config, load_model
+from fusion_model.checkpoint import architecture_differences, checkpoint_config, connector_weights, load_model
 from fusion_model.config import FusionConfig, FusionConfigDict
+from fusion_model.late_fusion import LateFusionConfig, LateFusionModel, late_layout, set_stage
+from fusion_model.loss import fusion_loss_from_hidden
 from fusion_model.model import FusionModel
+from fusion_model.qformer_pretraining import QFormerPretrainer, caption_pairs
 from fusion_model.training.checkpointing import rng_state, set_rng_state
 from fusion_model.training.optim import WarmupDecay, build_adamw, build_scheduler
 
@@ -68,6 +71,7 @@ class FusionLightningModule(L.LightningModule):
         loss_chunk_size: int = 4096,
         nonfinite: str = "stop",
         init_weights: str | None = None,
+        late_fusion: dict | None = None,
     ) -> None:
         """`config` is the decoder; the rest is the recipe (defaults: Chameleon's).
 
@@ -81,6 +85,10 @@ class FusionLightningModule(L.LightningModule):
         init_weights: start a new run from these decoder weights (a checkpoint file, e.g. from `train.py convert
         import`, or a transformers Chameleon directory); with config None the decoder config is the checkpoint's,
         otherwise its architecture must match. Ignored when the run resumes from its own checkpoint.
+        late_fusion: train a late-fusion connector in front of the decoder instead (fusion_model.late_fusion's
+        LateFusionConfig as a dict, e.g. {"kind": "llava", "stage": 1}): the batches' image codes are replaced by
+        the shards' pre-quantisation features (`shards tokenize --features`), image positions add no loss, and the
+        stage decides whether the decoder trains. `train.py fit` fills in the ids and feature_dim from the shards.
         """
         super().__init__()
         if config is None and init_weights:
@@ -97,8 +105,13 @@ class FusionLightningModule(L.LightningModule):
         self.hparams["config"] = config.to_dict()
         self.model_config = config
         self.model = FusionModel(config)
+        self.late_config: LateFusionConfig | None = None
+        self._late: LateFusionModel | None = None
+        if late_fusion is not None:
+            self._build_late_fusion(LateFusionConfig.from_dict(late_fusion))
         self._init_weights = init_weights
         self.skipped_steps = 0
+        self.decoder_positions = 0  # positions the decoder trained on in this process (late fusion changes the count)
         self._bad_in_window = False
         self._batch_idx = -1
         self._rng_to_restore: dict[str, torch.Tensor] | None = None
@@ -108,10 +121,41 @@ class FusionLightningModule(L.LightningModule):
         self._window_weight: torch.Tensor | None = None
         self._sharded = False
 
+    def _build_late_fusion(self, late: LateFusionConfig) -> None:
+        missing = [name for name in ("feature_dim", "image_token_id", "boi_id", "eoi_id") if getattr(late, name) is None]
+        if missing:
+            raise ValueError(f"late_fusion needs {missing} (train.py fit takes them from the token shards' manifest)")
+        wrapped = LateFusionModel(self.model, late.kind, late.image_token_id, feature_dim=late.feature_dim,
+                                  connector_dim=late.connector_dim, num_latents=late.num_latents,
+                                  num_queries=late.num_queries, depth=late.depth, heads=late.heads)
+        self.connector = wrapped.connector
+        # not a submodule: its parts are self.model and self.connector, so checkpoints name each weight once
+        self.__dict__["_late"] = wrapped
+        set_stage(wrapped, late.stage)
+        self.late_config = late
+        if (late.kind, late.stage) == ("qformer", 1):
+            heads = QFormerPretrainer(self.connector, self.model_config.vocab_size, late.text_len)
+            # the Q-Former is self.connector already: keep only the stage-1 heads as this submodule's own weights
+            del heads._modules["qformer"]
+            object.__setattr__(heads, "qformer", self.connector)
+            self.stage1_heads = heads
+            # the projection to the decoder's width is stage 2's: unused here (DDP refuses unused trainable weights)
+            self.connector.to_language_model.requires_grad_(False)
+
+    @property
+    def reads_image_features(self) -> bool:
+        """Whether the batches must carry image features (a late-fusion model)."""
+        return self.late_config is not None
+
     # ---- model wrapping (FSDP2 / compile), called by Lightning inside the strategy's init context ----
     def setup(self, stage: str) -> None:
-        """Load `init_weights` into a new run (a resumed run restores its own checkpoint instead)."""
-        if not self._init_weights or stage != "fit" or self.trainer.ckpt_path is not None:
+        """Load `init_weights` (and a late-fusion `init_connector`) into a new run (a resumed run restores its own
+        checkpoint instead)."""
+        if stage != "fit" or self.trainer.ckpt_path is not None:
+            return
+        if self.late_config is not None and self.late_config.init_connector:
+            self.connector.load_state_dict(connector_weights(self.late_config.init_connector))
+        if not self._init_weights:
             return
         loaded = load_model(self._init_weights)
         differences = architecture_differences(loaded.config, self.model_config)
@@ -133,6 +177,11 @@ class FusionLightningModule(L.LightningModule):
         mesh = getattr(self, "_device_mesh", None)
         if mesh is None:
             return
+        if self._late is not None:
+            # the late-fusion path calls decoder.embed, forward_hidden and head.weight outside any FSDP forward, so
+            # the root's parameters would stay sharded (and an unsharded connector's gradients unsynchronised)
+            raise ValueError("model.late_fusion does not run under ModelParallelStrategy (FSDP2) yet: train it with "
+                             "--trainer.strategy=ddp (or auto on one device)")
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
@@ -148,11 +197,63 @@ class FusionLightningModule(L.LightningModule):
 
     # ---- training ----------------------------------------------------------------------------------
     def _losses(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return self.model.loss(
+        if self._late is not None:
+            return self._late_fusion_losses(batch)
+        out = self.model.loss(
             batch["input_ids"], batch["document_ids"], batch.get("position_ids"),
             text_weight=self.hparams.text_weight, image_weight=self.hparams.image_weight,
             chunk_size=self.hparams.loss_chunk_size,
         )
+        return {**out, "positions": (batch["document_ids"] >= 0).sum()}
+
+    def _late_fusion_losses(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The loss of the late-fusion model on the same batch: codes replaced by the connector's view of the
+        features, image placeholders ignored (label -100), the rest as in pretraining (CE + z-loss)."""
+        if "image_features" not in batch:
+            raise ValueError("a late-fusion model needs batches with image_features: set data.image_features true "
+                             "(or leave it null) and tokenize the shards with --features")
+        self._late.train(self.training)  # a frozen decoder runs in eval mode: no dropout
+        if hasattr(self, "stage1_heads"):
+            return self._qformer_stage1_losses(batch)
+        config = self.model_config
+        layout = late_layout(batch["input_ids"], batch["document_ids"], batch["image_features"],
+                             config=self.late_config, image_offset=config.image_offset, image_codes=config.image_codes)
+        if layout["input_ids"].shape[1] > config.max_seq_len:
+            raise ValueError(f"late fusion made rows of {layout['input_ids'].shape[1]} positions (each image costs "
+                             f"{self.late_config.per_image}), more than model.config.max_seq_len {config.max_seq_len}: "
+                             "raise max_seq_len or lower data.seq_len")
+        hidden = self._late.hidden(layout["input_ids"], features=layout["features"],
+                                   feature_mask=layout["feature_mask"], document_ids=layout["document_ids"],
+                                   position_ids=layout["position_ids"])
+        out = fusion_loss_from_hidden(
+            hidden, self.model.head.weight, layout["input_ids"], layout["document_ids"],
+            image_offset=config.image_offset, image_codes=config.image_codes, z_loss_coef=config.z_loss_coef,
+            text_weight=self.hparams.text_weight, image_weight=self.hparams.image_weight,
+            chunk_size=self.hparams.loss_chunk_size, ignore_id=self.late_config.image_token_id,
+        )
+        return {**out, "positions": (layout["document_ids"] >= 0).sum()}
+
+    def _qformer_stage1_losses(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """BLIP-2's stage 1 on the batch's one-image documents (image-text pairs): ITC + ITM + ITG, no decoder."""
+        config, late = self.model_config, self.late_config
+        pairs = caption_pairs(batch["input_ids"], batch["document_ids"], batch["image_features"],
+                              image_offset=config.image_offset, image_codes=config.image_codes,
+                              special_ids=list(late.special_ids), pad_id=0,  # padding is masked: never read
+                              max_text_len=late.text_len)
+        zero = batch["image_features"].new_zeros(())
+        if pairs is None:  # nothing to contrast: a zero loss that still reaches every trainable weight
+            loss = sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
+            parts = {"itc": zero, "itm": zero, "itg": zero, "itc_accuracy": zero}
+            count = zero.long()
+        else:
+            parts = self.stage1_heads(pairs["features"], pairs["text_ids"], pairs["text_mask"],
+                                      pairs["feature_mask"], pair_ids=pairs["pair_ids"])
+            loss, count = parts["loss"], pairs["pair_ids"].new_tensor(len(pairs["pair_ids"]))
+        prefix = "train" if self.training else "val"
+        self.log_dict({f"{prefix}/{name}": parts[name].detach() for name in ("itc", "itm", "itg", "itc_accuracy")},
+                      on_step=self.training, on_epoch=not self.training, batch_size=max(int(count), 1))
+        return {"loss": loss, "ce": loss, "z_loss": zero, "text_loss": parts["itg"].detach(), "image_loss": zero,
+                "n_text_targets": count, "n_image_targets": zero.long(), "positions": zero.long()}
 
     def _weight(self, out: dict[str, torch.Tensor]) -> torch.Tensor:
         """The loss's denominator on this rank: modality-weighted number of targets."""
@@ -171,6 +272,7 @@ class FusionLightningModule(L.LightningModule):
             self._rng_to_restore = None
         self._batch_idx = batch_idx
         out = self._losses(batch)
+        self.decoder_positions += int(out.pop("positions"))
         loss = out["loss"]
         weight = self._weight(out)
         # one collective for both: the global target weight and whether any rank saw a non-finite loss
@@ -259,7 +361,8 @@ class FusionLightningModule(L.LightningModule):
         horizon = hp.decay_steps or (self.trainer.max_steps if self.trainer.max_steps and self.trainer.max_steps > 0 else None)
         if horizon is None:
             raise ValueError("set trainer.max_steps or model.decay_steps: the lr schedule needs a horizon")
-        optimizer = build_adamw(self.model, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, weight_decay=hp.weight_decay)
+        # the module, not only the decoder: a late-fusion connector trains too (frozen parameters are left out)
+        optimizer = build_adamw(self, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, weight_decay=hp.weight_decay)
         schedule = WarmupDecay(min(hp.warmup_steps, max(horizon - 1, 0)), horizon, hp.lr_schedule, hp.min_lr_ratio)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": build_scheduler(optimizer, schedule), "interval": "step"}}
 
