@@ -16,6 +16,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("fusion_model.cli.generate", "sample mixed text-and-image sequences from a checkpoint"),
     "convert": ("fusion_model.cli.convert", "import from / export to transformers' Chameleon format"),
     "demo": ("fusion_model.demo.pipeline", "run the end-to-end demo on built-in offline data, with a report"),
+    "experiment": ("fusion_model.demo.fusion_experiment",
+                   "compare early fusion with LLaVA / BLIP-2 / Flamingo connectors on the demo's data"),
 }
 
 # Bad input (a missing file, a wrong value, a mismatched vocabulary) exits 2 with one line naming what to change,

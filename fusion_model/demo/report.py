@@ -104,7 +104,8 @@ def write_html(path: str | Path, title: str, sections: Sequence[str], summary: s
     return atomic_write_text(path, text)
 
 
-def _mark(ok: bool) -> str:
+def mark(ok: bool) -> str:
+    """A green tick or a red cross."""
     return '<span class="ok">&#10003;</span>' if ok else '<span class="bad">&#10007;</span>'
 
 
@@ -202,7 +203,7 @@ def generation_section(images: torch.Tensor, targets: np.ndarray, predicted: np.
     rows = []
     for digit in range(10):
         idx = np.flatnonzero(targets == digit)[:shown]
-        cards = "".join(_card(pixels[i], f"{_mark(predicted[i] == digit)} reads {int(predicted[i])}", 56) for i in idx)
+        cards = "".join(_card(pixels[i], f"{mark(predicted[i] == digit)} reads {int(predicted[i])}", 56) for i in idx)
         correct = int((predicted[targets == digit] == digit).sum())
         rows.append(f"<tr><td>{html.escape(captions[digit])}<br>({correct}/{per_caption} recognised)</td>"
                     f'<td><div class="grid">{cards}</div></td></tr>')
@@ -213,7 +214,7 @@ def captions_section(images: torch.Tensor, texts: list[str], labels: np.ndarray,
                      parse) -> str:
     """Held-out images with the caption the model wrote for each."""
     pixels = to_uint8(images[:shown])
-    cards = "".join(_card(p, f"{_mark(parse(t) == int(y))} &ldquo;{html.escape(t)}&rdquo;", 64)
+    cards = "".join(_card(p, f"{mark(parse(t) == int(y))} &ldquo;{html.escape(t)}&rdquo;", 64)
                     for p, t, y in zip(pixels, texts, labels))
     return section("Captions written for held-out images", f'<div class="grid">{cards}</div>')
 
@@ -228,7 +229,7 @@ def interleaved_section(a_images: torch.Tensor, b_images: torch.Tensor, answers:
         ok = int(predicted[i]) == int(pairs[i].sum())
         written = html.escape(texts[i]) if texts else ""
         rows.append(f"<tr><td>calculate</td><td>{image_tag(a, 48)}</td><td>plus</td><td>{image_tag(b, 48)}</td><td>equals</td>"
-                    f"<td><i>{written}</i></td><td>{image_tag(c, 48)}</td><td>{_mark(ok)} {int(pairs[i][0])} + "
+                    f"<td><i>{written}</i></td><td>{image_tag(c, 48)}</td><td>{mark(ok)} {int(pairs[i][0])} + "
                     f"{int(pairs[i][1])}: generated image reads {int(predicted[i])}</td></tr>")
     return section("Interleaved arithmetic (prompt: two held-out digit images; the model writes the sum in words "
                    "(italic), then the answer image)", "<table>" + "".join(rows) + "</table>")

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from fusion_model.demo import bookkeeping, pipeline
@@ -97,6 +98,67 @@ def test_train_stage_records_the_equivalent_fit_command(demo):
     assert argv[:5] == ["python", "train.py", "fit", "--config", records["train"]["fit_config"]]
     cli = fit_from_config(None, argv[3:], run=False)
     assert cli.model.model_config == load_model(out / "train" / "model.ckpt").config
+
+
+def test_fusion_experiment_compares_early_and_each_late_fusion_model_on_the_demo_outputs(demo, tmp_path):
+    from fusion_model.demo import fusion_experiment as experiment
+
+    config, out, _ = demo
+    settings = experiment.ExperimentConfig(demo="smoke", demo_dir=str(out), out_dir=str(tmp_path), steps=12,
+                                           blind_lm_steps=12, llava_stage1_steps=4, qformer_stage1_steps=6,
+                                           albums=40, examples=40, few_shot_examples=16)
+    record = experiment.run(settings, log=lambda message: None)
+    results = record["results"]
+    assert list(results) == ["early", "llava_stage1", "llava", "qformer", "flamingo"]
+    # image positions in the decoder's context: every patch (early, LLaVA), M queries, none (Flamingo cross-attends)
+    assert [results[k]["image_positions_per_image"] for k in results] == [16, 16, 16, settings.num_queries, 0]
+    assert results["early"]["parameters_added"] == 0 and all(results[k]["parameters_added"] > 0 for k in
+                                                             ("llava", "qformer", "flamingo"))
+    # frozen decoders (LLaVA stage 1, Q-Former, Flamingo) train only their connector; LLaVA's stage 2 trains the
+    # decoder as well
+    for kind in ("llava_stage1", "qformer", "flamingo"):
+        assert results[kind]["trainable_parameters"] == results[kind]["parameters_added"]
+    assert results["llava"]["trainable_parameters"] == results["llava"]["parameters_added"] + \
+        results["llava"]["decoder_parameters"]
+    assert results["llava"]["steps"] == settings.steps == results["early"]["steps"]
+    # the same documents: a Flamingo image costs one marker, so it trains on the fewest decoder positions
+    assert results["flamingo"]["decoder_positions"] < results["qformer"]["decoder_positions"] < \
+        results["early"]["decoder_positions"]
+    for r in results.values():
+        assert 0.0 <= r["understanding_accuracy"] <= 1.0 and set(r["few_shot_accuracy"]) == {"0", "1", "4"}
+    assert 0.0 <= results["early"]["generation_accuracy"] <= 1.0
+    table = (tmp_path / "results.md").read_text()
+    assert all(f"| {kind} |" in table for kind in results)
+    assert json.loads((tmp_path / "results.json").read_text())["results"] == results
+
+
+def test_greedy_captions_of_the_early_model_are_the_samplers_greedy_captions(demo):
+    from fusion_model.demo import evaluate
+    from fusion_model.demo import fusion_experiment as experiment
+    from fusion_model.demo.stages import digits_for, load_decoder, load_image_tokenizer, load_vocab
+
+    config, out, _ = demo
+    digits = digits_for(config)
+    tokenizer, vocab, model = load_image_tokenizer(out), load_vocab(out), load_decoder(out)
+    from fusion_model.demo.datasets import to_model_images
+
+    with torch.no_grad():
+        codes, features = tokenizer.encode_with_features(to_model_images(digits.test_images[:24], 64))
+        sampled = evaluate.understanding(model, vocab, codes, digits.test_labels[:24])["texts"]
+        ids, per_position = experiment.prompts_with_features(vocab, [[c] for c in codes], [[f] for f in features],
+                                                             features.shape[-1])
+        greedy = experiment.greedy_captions(experiment.early_next_logits(model), ids, per_position, vocab)
+    assert greedy == sampled
+
+
+def test_fusion_experiment_needs_a_finished_demo_and_names_the_command(tmp_path, capsys):
+    from fusion_model.cli import main
+
+    assert main(["experiment", "fusion", "--demo", "smoke", "--demo-dir", str(tmp_path), "--out",
+                 str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err
+    assert "python train.py demo --preset smoke" in error and len(error.strip().splitlines()) == 1
+    assert main(["experiment", "nothing"]) == 2
 
 
 def test_rerun_reuses_every_finished_stage(demo):
