@@ -24,7 +24,8 @@ SMALL = {
             "--trainer.val_check_interval", "null"],
     "generate": ["--num-samples", "1"],
 }
-SKIPPED = {"convert import": "needs a transformers Chameleon folder (HF_DIR); tests/fusion_model/test_hf_export.py"}
+SKIPPED = {"convert import": "needs a transformers Chameleon folder (HF_DIR); tests/fusion_model/test_hf_export.py",
+           "experiment": "needs a finished demo; tests/fusion_model/demo/test_demo.py runs it on the smoke demo"}
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 80, 220), "yellow": (230, 210, 40)}
 
 
@@ -73,19 +74,22 @@ def test_the_readme_commands_run_as_written_on_new_data(tmp_path):
     (tmp_path / "configs").symlink_to(REPO / "configs")
     (tmp_path / "train.py").symlink_to(REPO / "train.py")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    outputs = {}
-    for command in commands:
+    outputs, late_fusion = {}, ""
+    for index, command in enumerate(commands):
         step = step_of(command)
         if step in SKIPPED:
             continue
         argv = [sys.executable, *shlex.split(command)[1:], *SMALL.get(step, [])]
         if step in ("tokenizer fit", "fit"):
             argv += ["--threads", "1"]
-        log = tmp_path / f"{step.replace(' ', '-')}.log"
+        log = tmp_path / f"{index:02d}-{step.replace(' ', '-')}.log"
         with log.open("w") as out:  # output to a file, as on a cluster
             result = subprocess.run(argv, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=600)
-        outputs[step] = log.read_text()
-        assert result.returncode == 0, f"{command}\n{outputs[step][-3000:]}"
+        text = log.read_text()
+        assert result.returncode == 0, f"{command}\n{text[-3000:]}"
+        outputs.setdefault(step, text)  # the first run of each step (fit runs twice: early, then late fusion)
+        if "configs/fusion/late/" in command:
+            late_fusion = text
 
     assert (tmp_path / "runs/tokenizer/tokenizer/config.json").is_file()
     assert "512 image codes" in outputs["vocab"]
@@ -95,6 +99,8 @@ def test_the_readme_commands_run_as_written_on_new_data(tmp_path):
     images = re.findall(r"<image: ([^>]+)>", outputs["generate"])
     assert images and all((tmp_path / path).is_file() or Path(path).is_file() for path in images)
     assert (tmp_path / "out/hf-chameleon/config.json").is_file()
+    assert list((tmp_path / "runs/tokens-features").glob("*.features.npy")), "shards tokenize --features"
+    assert "done: step 3/3" in late_fusion and (tmp_path / "runs/late/llava-stage1/checkpoints/last.ckpt").is_file()
 
 
 @pytest.mark.parametrize("command", readme_commands())

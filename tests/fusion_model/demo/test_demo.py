@@ -109,9 +109,9 @@ def test_fusion_experiment_compares_early_and_each_late_fusion_model_on_the_demo
                                            albums=40, examples=40, few_shot_examples=16)
     record = experiment.run(settings, log=lambda message: None)
     results = record["results"]
-    assert list(results) == ["early", "llava_stage1", "llava", "qformer", "flamingo"]
+    assert list(results) == ["early", "early_text_loss", "early_from_lm", "llava_stage1", "llava", "qformer", "flamingo"]
     # image positions in the decoder's context: every patch (early, LLaVA), M queries, none (Flamingo cross-attends)
-    assert [results[k]["image_positions_per_image"] for k in results] == [16, 16, 16, settings.num_queries, 0]
+    assert [results[k]["image_positions_per_image"] for k in results] == [16, 16, 16, 16, 16, settings.num_queries, 0]
     assert results["early"]["parameters_added"] == 0 and all(results[k]["parameters_added"] > 0 for k in
                                                              ("llava", "qformer", "flamingo"))
     # frozen decoders (LLaVA stage 1, Q-Former, Flamingo) train only their connector; LLaVA's stage 2 trains the
@@ -126,7 +126,7 @@ def test_fusion_experiment_compares_early_and_each_late_fusion_model_on_the_demo
         results["early"]["decoder_positions"]
     for r in results.values():
         assert 0.0 <= r["understanding_accuracy"] <= 1.0 and set(r["few_shot_accuracy"]) == {"0", "1", "4"}
-    assert 0.0 <= results["early"]["generation_accuracy"] <= 1.0
+    assert all(0.0 <= results[k]["generation_accuracy"] <= 1.0 for k in experiment.EARLY)
     table = (tmp_path / "results.md").read_text()
     assert all(f"| {kind} |" in table for kind in results)
     assert json.loads((tmp_path / "results.json").read_text())["results"] == results
