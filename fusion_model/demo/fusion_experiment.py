@@ -194,8 +194,8 @@ def feature_shards(demo: DemoConfig, demo_dir: Path, raw_dir: Path, out_dir: Pat
 def blind_shards(config: ExperimentConfig, token_dir: Path, out_dir: Path, vocab, patches: int) -> Path:
     """The same documents with every image hidden behind one of the late-fusion layouts, chosen at random per image:
     `<boi> <image> x h*w <eoi>` (LLaVA), `<boi> <image> x M <eoi>` (Q-Former) or `<image>` (Flamingo). The frozen
-    language model of the late-fusion recipes trains on these: it learns the text around images without seeing
-    them, so a connector has only to fill the placeholders in."""
+    language model of the late-fusion recipes trains on these: it learns the text around images and where images
+    go, without ever seeing one."""
     from data_shards.token_shards import TokenShard, read_manifest, write_manifest, write_token_shard
 
     folder = out_dir / "blind_tokens"
@@ -249,7 +249,7 @@ def fit(name: str, out_dir: Path, demo_dir: Path, train_dir: Path, steps: int, s
         "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={folder}",
         f"--trainer.logger.init_args.save_dir={folder}", f"--data.train_dir={train_dir}", f"--data.seed={seed}",
         f"--data.vocab={demo_dir / 'vocab' / 'tokenizer.json'}",
-        # text shards were made without the image tokenizer: its fingerprint check applies to image shards only
+        # the blind shards hold no image codes: the image tokenizer's fingerprint check is for the feature shards
         f"--data.image_tokenizer={demo_dir / 'tokenizer' / 'model' if train_dir.name == 'tokens' else 'null'}",
         *[f"--trainer.callbacks+={json.dumps(c)}" for c in callbacks], *extra,
     ]
