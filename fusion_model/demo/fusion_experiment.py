@@ -246,7 +246,7 @@ def fit(name: str, out_dir: Path, demo_dir: Path, train_dir: Path, steps: int, s
     ]
     options = [
         f"--seed_everything={seed}", f"--trainer.max_steps={steps}", "--trainer.max_time=null",
-        "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={folder}",
+        f"--trainer.default_root_dir={folder}",  # progress: a bar on a terminal, a line every 30 s in a log file
         f"--trainer.logger.init_args.save_dir={folder}", f"--data.train_dir={train_dir}", f"--data.seed={seed}",
         f"--data.vocab={demo_dir / 'vocab' / 'tokenizer.json'}",
         # the blind shards hold no image codes: the image tokenizer's fingerprint check is for the feature shards
