@@ -1,4 +1,5 @@
-"""Builders shared by the data_shards tests (fixture `tok`): token shard directories with known documents."""
+"""Builders shared by the data_shards tests (fixture `tok`): token shard directories with known documents, and a
+small vocabulary and image tokenizer to pre-tokenize raw shards with (fixtures `vocab`, `image_tokenizer`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from data_shards.token_shards import write_manifest, write_token_shard
+from tokenizer.image import ImageTokenizer, ImageTokenizerConfig
+from tokenizer.vocab import train_unified_vocab
 
 VOCAB_SIZE = 1000
 PAD_ID = 0
@@ -61,3 +65,21 @@ def tok() -> types.SimpleNamespace:
         make_documents=make_documents, make_token_dir=make_token_dir, rows_to_documents=rows_to_documents,
         VOCAB_SIZE=VOCAB_SIZE, PAD_ID=PAD_ID,
     )
+
+
+CORPUS = ["the digit one", "the digit two", "a photo of a cat", "some interleaved text here"] * 50
+
+
+@pytest.fixture(scope="module")
+def vocab():
+    """A 1,024-id unified vocabulary with 512 image codes, trained on a few phrases."""
+    return train_unified_vocab(CORPUS, vocab_size=1024, image_codes=512)
+
+
+@pytest.fixture(scope="module")
+def image_tokenizer():
+    """An untrained image tokenizer for 16-px images: 4x4 codes of 64, 8 feature channels per code."""
+    torch.manual_seed(0)
+    config = ImageTokenizerConfig(image_size=16, base_channels=8, channel_multiplier=(1, 1, 1), num_res_blocks=1,
+                                  latent_channels=8, norm_groups=4, codebook_size=64)
+    return ImageTokenizer(config).eval()

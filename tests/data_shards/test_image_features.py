@@ -20,10 +20,7 @@ from data_shards.raw import RawShardWriter, ShardError
 from data_shards.stream import PackedTokenStream
 from data_shards.token_shards import FEATURES_FILE, read_manifest, verify_token_dir
 from fusion_model import cli
-from tokenizer.image import ImageTokenizer, ImageTokenizerConfig
-from tokenizer.vocab import train_unified_vocab
 
-CORPUS = ["the digit one", "the digit two", "a photo of a cat", "some interleaved text here"] * 50
 FLIP_PROBABILITY, SEED = 0.5, 0
 # shorter than an image with its markers (18 ids), so images are cut across rows; documents' tails then share rows
 SEQ_LEN = 16
@@ -42,17 +39,6 @@ DOCS = {
 }
 
 
-@pytest.fixture(scope="module")
-def vocab():
-    return train_unified_vocab(CORPUS, vocab_size=1024, image_codes=512)
-
-
-@pytest.fixture(scope="module")
-def image_tokenizer():
-    torch.manual_seed(0)
-    config = ImageTokenizerConfig(image_size=16, base_channels=8, channel_multiplier=(1, 1, 1), num_res_blocks=1,
-                                  latent_channels=8, norm_groups=4, codebook_size=64)
-    return ImageTokenizer(config).eval()  # 4x4 codes per image, 8 feature channels
 
 
 @pytest.fixture(scope="module")

@@ -14,23 +14,6 @@ from data_shards.pretokenize import flip_pair, pretokenize
 from data_shards.raw import RawShardWriter, ShardError
 from data_shards.stream import PackedTokenStream
 from data_shards.token_shards import TokenShard, read_manifest, sha256_file
-from tokenizer.image import ImageTokenizer, ImageTokenizerConfig
-from tokenizer.vocab import train_unified_vocab
-
-CORPUS = ["the digit one", "the digit two", "a photo of a cat", "some interleaved text here"] * 50
-
-
-@pytest.fixture(scope="module")
-def vocab():
-    return train_unified_vocab(CORPUS, vocab_size=1024, image_codes=512)
-
-
-@pytest.fixture(scope="module")
-def image_tokenizer():
-    torch.manual_seed(0)
-    config = ImageTokenizerConfig(image_size=16, base_channels=8, channel_multiplier=(1, 1, 1), num_res_blocks=1,
-                                  latent_channels=8, norm_groups=4, codebook_size=64)
-    return ImageTokenizer(config).eval()  # 4x4 codes per image
 
 
 def _image(i: int) -> Image.Image:
