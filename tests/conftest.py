@@ -16,3 +16,12 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 def _seed_everything():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test (the CI machine's other core runs other work); the count is restored after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -1,5 +1,6 @@
 """Builders shared by the data_shards tests (fixture `tok`): token shard directories with known documents, and a
-small vocabulary and image tokenizer to pre-tokenize raw shards with (fixtures `vocab`, `image_tokenizer`)."""
+small vocabulary and image tokenizer to pre-tokenize raw shards with (fixtures `vocab`, `image_tokenizer`), and raw
+shards of the requesting test module's DOCS (fixture `raw_dir`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from data_shards.raw import RawShardWriter
 from data_shards.token_shards import write_manifest, write_token_shard
 from tokenizer.image import ImageTokenizer, ImageTokenizerConfig
 from tokenizer.vocab import train_unified_vocab
@@ -83,3 +85,13 @@ def image_tokenizer():
     config = ImageTokenizerConfig(image_size=16, base_channels=8, channel_multiplier=(1, 1, 1), num_res_blocks=1,
                                   latent_channels=8, norm_groups=4, codebook_size=64)
     return ImageTokenizer(config).eval()
+
+
+@pytest.fixture(scope="module")
+def raw_dir(tmp_path_factory, request):
+    """Raw shards (3 documents each) of the test module's `DOCS` ({key: segments})."""
+    path = tmp_path_factory.mktemp("raw")
+    with RawShardWriter(path, shard_max_docs=3) as writer:
+        for key, segments in request.module.DOCS.items():
+            writer.add(key, segments)
+    return path

@@ -16,7 +16,7 @@ from PIL import Image
 
 from data_shards.datamodule import FusionDataModule
 from data_shards.pretokenize import flip_pair, pretokenize
-from data_shards.raw import RawShardWriter, ShardError
+from data_shards.raw import ShardError
 from data_shards.stream import PackedTokenStream
 from data_shards.token_shards import FEATURES_FILE, read_manifest, verify_token_dir
 from fusion_model import cli
@@ -37,17 +37,6 @@ DOCS = {
     "three": [_image(102), "a photo of a cat", _image(103), _image(104)],
     "plain": ["a photo of a cat"],
 }
-
-
-
-
-@pytest.fixture(scope="module")
-def raw_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("raw")
-    with RawShardWriter(path, shard_max_docs=3) as writer:
-        for key, segments in DOCS.items():
-            writer.add(key, segments)
-    return path
 
 
 def _tokenize(raw, out, vocab, image_tokenizer, features):

@@ -28,15 +28,6 @@ DOCS = {
 }
 
 
-@pytest.fixture(scope="module")
-def raw_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("raw")
-    with RawShardWriter(path, shard_max_docs=3) as writer:
-        for key, segments in DOCS.items():
-            writer.add(key, segments)
-    return path
-
-
 def _documents(token_dir) -> dict[str, list[int]]:
     manifest = read_manifest(token_dir)
     out = {}

@@ -18,12 +18,7 @@ from fusion_model.qformer_pretraining import (
 FEATURE_DIM, DIM, QUERIES, OUT_DIM, VOCAB, TEXT_LEN = 12, 16, 3, 24, 20, 5
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: one torch thread, restored after
 
 
 def tiny_pretrainer(seed: int = 0) -> QFormerPretrainer:

@@ -53,13 +53,7 @@ def write_feature_shards(path: Path, *, features: bool = True, documents: int = 
     return path
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Train on one thread (the test machine's other core runs other work); restore the count after."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: one torch thread, restored after
 
 
 @pytest.fixture(scope="module")

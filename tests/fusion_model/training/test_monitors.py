@@ -71,12 +71,7 @@ def fit(module: FusionLightningModule, batches: list[dict], callbacks: list, roo
     return logger
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: one torch thread, restored after
 
 
 # ---- the quantities, against direct computations ---------------------------------------------------------
