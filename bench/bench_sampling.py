@@ -1,6 +1,7 @@
 """Decode speed on the small and medium presets, batch 1 and 8: text against transformers' `generate` (same weights,
 greedy, KV cache) and images with two-stream guidance, each for the eager step, the compiled step and (images)
-speculative Jacobi decoding, timed side by side in rounds, each against the memory-bandwidth bound of a step."""
+speculative Jacobi decoding, eager and compiled, timed side by side in rounds, each against the memory-bandwidth
+bound of a step."""
 
 from __future__ import annotations
 
@@ -128,27 +129,35 @@ def _preset(preset: str, vocab_size: int, size: dict, limits: dict) -> tuple[dic
                                cfg_scale=CFG_SCALE, seed=0)
         image_compiled = SamplingConfig(**{**image.__dict__, "compile": True})
         image_sjd = SamplingConfig(**{**image.__dict__, "speculative_window": size["window"]})
+        image_compiled_sjd = SamplingConfig(**{**image_sjd.__dict__, "compile": True})
         compile_image_s = _first_call_seconds(partial(generate_ids, ours, vocab, prompts, image_compiled))
+        compile_sjd_s = _first_call_seconds(partial(generate_ids, ours, vocab, prompts, image_compiled_sjd))
         sjd_stats: dict = {}
-        generate_ids(ours, vocab, prompts, image_sjd, stats=sjd_stats)
+        sjd_ids = generate_ids(ours, vocab, prompts, image_sjd, stats=sjd_stats)
         times = time_rounds({
             "eager": partial(generate_ids, ours, vocab, prompts, image),
             "compiled": partial(generate_ids, ours, vocab, prompts, image_compiled),
             "speculative": partial(generate_ids, ours, vocab, prompts, image_sjd),
+            "compiled_speculative": partial(generate_ids, ours, vocab, prompts, image_compiled_sjd),
         }, **limits)
         # the bound of a step reads the weights once for all rows (2 guidance streams per prompt)
         figures[f"image_cfg_batch{batch}"] = {
             "compiled_vs_eager": paired_result(times["compiled"], times["eager"]),
             "speculative_vs_eager": paired_result(times["speculative"], times["eager"]),
+            "compiled_speculative_vs_eager": paired_result(times["compiled_speculative"], times["eager"]),
+            "compiled_speculative_vs_compiled": paired_result(times["compiled_speculative"], times["compiled"]),
             **_rows(times, batch * n_image, bound),
             "bandwidth_bound_tokens_per_s": bound,
             "compile_s": compile_image_s,
+            "compiled_speculative_compile_s": compile_sjd_s,
             "compiled_seconds_per_image": sorted(times["compiled"])[len(times["compiled"]) // 2] / batch,
             # one forward advances every prompt of the batch
             "speculative_forwards_per_batch": sjd_stats["forwards"],
             "plain_forwards_per_batch": n_image,
             "compiled_equals_eager": float(generate_ids(ours, vocab, prompts, image_compiled)
                                            == generate_ids(ours, vocab, prompts, image)),
+            "compiled_speculative_equals_eager_speculative": float(
+                generate_ids(ours, vocab, prompts, image_compiled_sjd) == sjd_ids),
         }
     details = {"parameters": ours.num_parameters(), "weight_bytes_per_step": weight_bytes}
     return figures, details

@@ -1,9 +1,11 @@
 """Speculative Jacobi decoding on the demo's trained model: forwards, image codes per forward, seconds and generation
-accuracy per image for windows 0 (plain), 4 and 8, at the demo's sampling settings and at temperature 1 / no CFG."""
+accuracy per image for windows 0 (plain), 4 and 8, at the demo's sampling settings and at temperature 1 / no CFG;
+windows 4 and 8 also with independently redrawn drafts (SJD as published) against the sampler's coupled ones."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -11,11 +13,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock as unittest_mock
 
 import numpy as np
 import torch
 
 from bench.harness import paired_result, time_rounds, write_result
+from fusion_model import sampling
 from fusion_model.demo.bookkeeping import read_marker
 from fusion_model.demo.datasets import caption_prompt
 from fusion_model.demo.evaluate import _image_codes, image_sampling
@@ -28,6 +32,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RUN_DIR = REPO_ROOT / "runs" / "demo"  # where `bash scripts/demo.sh` writes
 RUN_DIR_ENV = "BENCH_DEMO_RUN_DIR"  # lets `python -m bench speculative` measure another finished run
 WINDOWS = (0, 4, 8)
+# name -> (window, drafts coupled across forwards); window 0 is the plain sampler every other variant is compared with
+VARIANTS = {"window0": (0, True), "window4": (4, True), "window8": (8, True),
+            "window4_independent": (4, False), "window8_independent": (8, False)}
 # 10 digits x 100 = 1,000 images per window and setting: a standard error of about 1.3 points on an accuracy
 # near 80% (1.8 on a difference); 6 x 1,000 images take about 5 minutes on one thread of an idle CPU
 FULL_SAMPLES_PER_DIGIT = 100
@@ -91,38 +98,52 @@ def settings_to_measure(demo: GenerateSettings) -> dict[str, GenerateSettings]:
     return {"demo_settings": demo, "temperature1_cfg1": plain}
 
 
+def _independent_drafts(new_q, old_drafts, old_q, has_old, uniform, race):
+    """SJD's drafts as published: every forward redraws them from the new proposal, ignoring the old ones."""
+    return sampling._draw(new_q, race)
+
+
+def _drafts(coupled: bool):
+    """The sampler as it is (coupled drafts), or with independently redrawn drafts for the comparison."""
+    if coupled:
+        return contextlib.nullcontext()
+    return unittest_mock.patch.object(sampling, "_coupled_drafts", _independent_drafts)
+
+
 def measure_setting(model, vocab, image_tokenizer, classifier, settings: GenerateSettings, *, seed: int,
-                    samples_per_digit: int, windows: tuple[int, ...] = WINDOWS) -> dict[int, dict]:
-    """Generate one image per call (batch 1) for every caption, each window on the same prompts and seeds, the
-    windows taking turns image by image (harness.time_rounds); the classifier then names every image."""
+                    samples_per_digit: int, variants: dict[str, tuple[int, bool]] = VARIANTS) -> dict[str, dict]:
+    """Generate one image per call (batch 1) for every caption, each variant on the same prompts and seeds, the
+    variants taking turns image by image (harness.time_rounds); the classifier then names every image."""
     targets = np.repeat(np.arange(10), samples_per_digit)
     prompts = [vocab.encode_document([caption_prompt(int(d))], bos=True, eos=False) for d in targets]
     grid = tuple(image_tokenizer.grid_shape)
-    raw = {w: {"new_ids": [], "forwards": [], "image_codes": [], "cpu_s": []} for w in windows}
+    raw = {name: {"new_ids": [], "forwards": [], "image_codes": [], "cpu_s": []} for name in variants}
 
-    def sample(window: int, index: int) -> tuple[list[int], dict]:
+    def sample(name: str, index: int) -> tuple[list[int], dict]:
+        window, coupled = variants[name]
         config = dataclasses.replace(image_sampling(settings, grid, seed + index), speculative_window=window)
         stats: dict = {}
-        return generate_ids(model, vocab, [prompts[index % len(prompts)]], config, stats=stats)[0], stats
+        with _drafts(coupled):
+            return generate_ids(model, vocab, [prompts[index % len(prompts)]], config, stats=stats)[0], stats
 
-    def step(window: int):
+    def step(name: str):
         def generate_next() -> None:
-            record = raw[window]
+            record = raw[name]
             start = time.process_time()
-            new_ids, stats = sample(window, len(record["new_ids"]))
+            new_ids, stats = sample(name, len(record["new_ids"]))
             record["cpu_s"].append(time.process_time() - start)
             record["new_ids"].append(new_ids)
             record["forwards"].append(stats["forwards"])
             record["image_codes"].append(stats["image_tokens"])
         return generate_next
 
-    for window in windows:  # warm-up, on a seed no timed image uses
-        sample(window, len(prompts))
+    for name in variants:  # warm-up, on a seed no timed image uses
+        sample(name, len(prompts))
     n = len(prompts)
-    wall = time_rounds({str(w): step(w) for w in windows}, warmup=0, min_rounds=n, max_rounds=n)
-    for window in windows:
-        record = raw[window]
-        record["wall_s"] = wall[str(window)]
+    wall = time_rounds({name: step(name) for name in variants}, warmup=0, min_rounds=n, max_rounds=n)
+    for name in variants:
+        record = raw[name]
+        record["wall_s"] = wall[name]
         codes, complete = _image_codes(vocab, record["new_ids"], grid)
         with torch.inference_mode():
             predicted = classifier.predict(image_tokenizer.decode(codes)).numpy()
@@ -131,12 +152,12 @@ def measure_setting(model, vocab, image_tokenizer, classifier, settings: Generat
     return raw
 
 
-def summarise(raw: dict[int, dict]) -> dict[str, dict]:
-    """Per-window figures, each SJD window against window 0 of the same run: forwards saved, time speedup
+def summarise(raw: dict[str, dict]) -> dict[str, dict]:
+    """Per-variant figures, each SJD variant against window 0 of the same run: forwards saved, time speedup
     (per-image pairs, median and IQR), accuracy difference in points with its standard error."""
-    plain = raw[0]
+    plain = raw["window0"]
     figures: dict[str, dict] = {}
-    for window, record in raw.items():
+    for name, record in raw.items():
         n = len(record["forwards"])
         accuracy = float(np.mean(record["correct"]))
         row = {
@@ -150,7 +171,7 @@ def summarise(raw: dict[int, dict]) -> dict[str, dict]:
             "accuracy": accuracy,
             "complete_fraction": float(np.mean(record["complete"])),
         }
-        if window != 0:
+        if name != "window0":
             plain_accuracy = float(np.mean(plain["correct"]))
             spread = math.sqrt(accuracy * (1 - accuracy) / n + plain_accuracy * (1 - plain_accuracy) / n)
             row.update({
@@ -160,13 +181,13 @@ def summarise(raw: dict[int, dict]) -> dict[str, dict]:
                 "accuracy_diff_points": 100 * (accuracy - plain_accuracy),
                 "accuracy_diff_se_points": 100 * spread,
             })
-        figures[f"window{window}"] = row
+        figures[name] = row
     return figures
 
 
 def format_table(figures: dict[str, dict[str, dict]], sampling: dict[str, dict]) -> str:
     """A plain-text table of every setting and window; ratios are plain ÷ SJD (> 1: SJD does better)."""
-    header = (f"{'setting':<34} {'window':>6} {'fwd/img':>8} {'codes/fwd':>9} {'s/img':>8} {'fwd ratio':>9} "
+    header = (f"{'setting':<34} {'window':>18} {'fwd/img':>8} {'codes/fwd':>9} {'s/img':>8} {'fwd ratio':>9} "
               f"{'time ratio (IQR)':>20} {'accuracy':>8} {'Δacc pts (±se)':>15}")
     lines = [header, "-" * len(header)]
     for name, windows in figures.items():
@@ -179,7 +200,7 @@ def format_table(figures: dict[str, dict[str, dict]], sampling: dict[str, dict])
                 time_ratio = (f"{timed['speedup_median']:.2f}x ({timed['speedup_q25']:.2f}-"
                               f"{timed['speedup_q75']:.2f})")
                 diff = f"{row['accuracy_diff_points']:+.1f} (±{row['accuracy_diff_se_points']:.1f})"
-            lines.append(f"{label:<34} {key.removeprefix('window'):>6} {row['forwards_per_image']:>8.2f} "
+            lines.append(f"{label:<34} {key.removeprefix('window'):>18} {row['forwards_per_image']:>8.2f} "
                          f"{row['codes_per_forward']:>9.2f} {row['seconds_per_image']:>8.4f} {ratio:>9} "
                          f"{time_ratio:>20} {row['accuracy']:>8.3f} {diff:>15}")
     return "\n".join(lines)
@@ -219,6 +240,9 @@ def run(smoke: bool = False, run_dir: str | os.PathLike | None = None, results_d
         "config": {
             "run_dir": "built in a temp dir (smoke: untrained tiny model)" if smoke else str(directory),
             "demo_config": demo.source, "sampling": sampling, "windows": list(WINDOWS),
+            "variants": {name: {"window": w, "coupled_drafts": c} for name, (w, c) in VARIANTS.items()},
+            "coupled_drafts": "the sampler keeps an old draft with probability min(1, q_new/q_old), else draws from "
+                              "max(0, q_new - q_old) (MC-SJD); _independent redraws every draft from q_new (SJD)",
             "images_per_window": 10 * per_digit, "samples_per_digit": per_digit, "batch": 1,
             "image_grid": list(image_tokenizer.grid_shape), "parameters": sum(p.numel() for p in model.parameters()),
             "demo_recorded_generation_accuracy": recorded.get("generation_accuracy"), "threads": threads,

@@ -291,10 +291,14 @@ def bench_image(config: FusionConfig, *, n_tokens: int, stream_counts: list[int]
     return {"figures": figures, "config": config_out}
 
 
+SPECULATIVE_WINDOW = 4  # the sampler's compiled speculative row
+
+
 def bench_sampler(*, dry_run: bool, batches: list[int], device: torch.device, dtype: torch.dtype, bandwidth: float,
                   deadline: float = float("inf")) -> dict:
     """The real sampler (`generate_ids`, image mode, Chameleon's three-stream guidance) at the image shape: seconds
-    per image for the eager and the compiled decode step (a CUDA graph on GPU), and the fraction of the bound."""
+    per image for the eager and the compiled decode step (a CUDA graph on GPU), the compiled step with speculative
+    Jacobi decoding, and the fraction of the bound per forward."""
     from fusion_model.sampling import SamplingConfig, generate_ids
     from tokenizer.vocab import train_unified_vocab
 
@@ -307,14 +311,16 @@ def bench_sampler(*, dry_run: bool, batches: list[int], device: torch.device, dt
     model, _, streamed_bytes = _decoding_model(config, device, dtype)
     bound = decode_seconds_bound(streamed_bytes, bandwidth)
     grid = (4, 4) if dry_run else (32, 32)
-    n_steps = grid[0] * grid[1] + 2  # <boi>, codes, <eoi>: one forward each (the first is the prefill)
+    n_steps = grid[0] * grid[1] + 2  # <boi>, codes, <eoi>
     prompt = [vocab.bos_id] + vocab.encode_text("a picture of a red circle on a blue square")
     figures: dict = {}
     for batch in batches:
-        for label, compiled in (("eager", False), ("compiled", True)):
+        for label, compiled, window in (("eager", False, 0), ("compiled", True, 0),
+                                        ("compiled_speculative", True, SPECULATIVE_WINDOW)):
             if time.perf_counter() > deadline:
                 break
-            sampling = SamplingConfig.chameleon(mode="image", image_grid=grid, seed=0, compile=compiled)
+            sampling = SamplingConfig.chameleon(mode="image", image_grid=grid, seed=0, compile=compiled,
+                                                speculative_window=window)
             # compiled: the first call compiles for these shapes; eager: a short warm-up (kernels, allocator)
             warm_up = sampling if compiled else dataclasses.replace(sampling, image_grid=(2, 2))
             start = time.perf_counter()
@@ -322,15 +328,21 @@ def bench_sampler(*, dry_run: bool, batches: list[int], device: torch.device, dt
             sync(device)
             first = time.perf_counter() - start
             start = time.perf_counter()
-            out = generate_ids(model, vocab, [prompt] * batch, sampling)
+            stats: dict = {}
+            out = generate_ids(model, vocab, [prompt] * batch, sampling, stats=stats)
             sync(device)
             seconds = time.perf_counter() - start
             if any(len(row) != n_steps for row in out):
                 raise RuntimeError(f"the sampler gave {[len(r) for r in out]} tokens, expected {n_steps} per image")
+            forwards = stats["forwards"]  # <boi> and <eoi> are forced, so the plain sampler makes one per code
             figures[f"three_stream_batch{batch}_{label}"] = {
                 "seconds_per_image": {"value": seconds / batch, "unit": "s"},
-                "ms_per_step": {"value": seconds / n_steps * 1e3, "unit": "ms"},
-                "bandwidth_bound_fraction": {"value": bound / (seconds / n_steps), "unit": "of bound",
+                "forwards": {"value": forwards, "unit": "forwards",
+                             "note": "random weights: speculative acceptance here says nothing of a trained model"
+                             if window else "one per code"},
+                "ms_per_forward": {"value": seconds / forwards * 1e3, "unit": "ms"},
+                # a speculative forward reads the weights once too, for window + 1 tokens per row
+                "bandwidth_bound_fraction": {"value": bound / (seconds / forwards), "unit": "of bound",
                                              "bound_ms": round(bound * 1e3, 4)},
                 "first_call_s": {"value": first, "unit": "s", "note": "compile + one generation" if compiled
                                  else "warm-up generation of 4 codes"},

@@ -46,15 +46,18 @@ def build_mask(
 ) -> torch.Tensor:
     """Boolean mask (B, 1, Tq, Tk), True = may attend: same document and causal.
 
+    q_index is (Tq,), or (B, Tq) when each row's queries sit at their own cache indices (the decode path).
+
     A padding query (document -1) attends to itself only, so its softmax never sees an empty row (NaN).
     With image runs given, tokens of one image run of one document also see each other (bidirectional).
     """
     same_doc = doc_q[:, :, None] == doc_k[:, None, :]
-    allowed = same_doc & (k_index[None, None, :] <= q_index[None, :, None])
+    q_index = q_index if q_index.dim() == 2 else q_index[None]
+    allowed = same_doc & (k_index[None, None, :] <= q_index[:, :, None])
     if run_q is not None:
         allowed |= same_doc & (run_q[:, :, None] == run_k[:, None, :]) & (run_q[:, :, None] >= 0)
     padding = doc_q[:, :, None] < 0
-    itself = k_index[None, None, :] == q_index[None, :, None]
+    itself = k_index[None, None, :] == q_index[:, :, None]
     allowed = torch.where(padding, itself, allowed & (doc_q[:, :, None] >= 0))
     return allowed[:, None]
 

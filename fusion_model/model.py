@@ -150,7 +150,7 @@ class AttentionContext:
     block_mask: object = None  # flex BlockMask
     document_ids: torch.Tensor | None = None  # for xformers
     cache: KVCache | None = None
-    slot: torch.Tensor | None = None  # decode_hidden: the cache index (0-d) the one new token is written at
+    slot: torch.Tensor | None = None  # decode_hidden: each row's cache index (B,) where its new tokens start
 
 
 class KVCache:
@@ -200,17 +200,22 @@ class KVCache:
         self.positions[:, self.length : self.length + length] = position_ids
 
     def record_at(self, slot: torch.Tensor, document_ids: torch.Tensor, position_ids: torch.Tensor) -> None:
-        """Record one token per row at cache index `slot` (0-d tensor): the static-shape decode step's reserve."""
-        self.document_ids.index_copy_(1, slot.view(1), document_ids[:, None])
-        self.positions.index_copy_(1, slot.view(1), position_ids[:, None])
+        """Record T tokens per row (B, T) from each row's cache index slot[b] on: the static decode step's reserve."""
+        index = slot[:, None] + torch.arange(document_ids.shape[1], device=slot.device)
+        self.document_ids.scatter_(1, index, document_ids)
+        self.positions.scatter_(1, index, position_ids)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor,
                slot: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this layer's new keys/values at `length` and return all keys/values up to the new end; with `slot`
-        (0-d tensor, one new token) write there and return the whole buffers (fixed shapes, no host sync)."""
+        ((B,): each row's cache index) write row b's T new ones from slot[b] on and return the whole buffers
+        (fixed shapes, no host sync)."""
         if slot is not None:
-            self.keys[layer].index_copy_(2, slot.view(1), k)
-            self.values[layer].index_copy_(2, slot.view(1), v)
+            batch, heads, length, dim = k.shape
+            index = (slot[:, None] + torch.arange(length, device=slot.device))[:, None, :, None]
+            index = index.expand(batch, heads, length, dim)
+            self.keys[layer].scatter_(2, index, k)
+            self.values[layer].scatter_(2, index, v)
             return self.keys[layer], self.values[layer]
         end = self.length + k.shape[2]
         self.keys[layer][:, :, self.length : end] = k
@@ -403,22 +408,25 @@ class FusionModel(nn.Module):
             kv_cache.length += input_ids.shape[1]
         return self.norm(x)
 
-    def decode_hidden(self, token: torch.Tensor, position: torch.Tensor, document: torch.Tensor, slot: torch.Tensor,
-                      kv_cache: KVCache) -> torch.Tensor:
-        """The decode path: one new token per row (B,) written at cache index `slot` (0-d tensor); normed hidden
-        (B, dim). Every shape is fixed (the query attends over the whole preallocated cache, masked by the cached
-        document ids) and nothing is read back to the host, so the step compiles to one graph. Prefill and chunks
-        of several tokens go through forward_hidden. `kv_cache.length` is left to the caller."""
-        kv_cache.record_at(slot, document, position)
-        keys = torch.arange(kv_cache.max_len, device=token.device)
+    def decode_hidden(self, tokens: torch.Tensor, positions: torch.Tensor, documents: torch.Tensor,
+                      slot: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        """The decode path: T new tokens per row (B, T), row b's written at cache indices slot[b], slot[b] + 1, ...;
+        normed hidden (B, T, dim). Every shape is fixed (each query attends over the whole preallocated cache,
+        masked by the cached document ids and by cache index) and nothing is read back to the host, so the step
+        compiles to one graph. The plain sampler feeds T = 1; speculative decoding feeds a token and its drafts,
+        and rows then move on by different counts. Prefill goes through forward_hidden. `kv_cache.length` is
+        left to the caller: keys past a row's newest token are never read, so the next chunk overwrites them."""
+        kv_cache.record_at(slot, documents, positions)
+        keys = torch.arange(kv_cache.max_len, device=tokens.device)
+        queries = slot[:, None] + torch.arange(tokens.shape[1], device=tokens.device)
         # generated tokens stay causal inside images (as in forward_hidden), so no image runs here
-        mask = attn_lib.build_mask(document[:, None], kv_cache.document_ids, slot.view(1), keys)
+        mask = attn_lib.build_mask(documents, kv_cache.document_ids, queries, keys)
         ctx = AttentionContext(backend="sdpa", mask=mask, cache=kv_cache, slot=slot)
-        x = self.embed(token[:, None])
-        cos, sin = rope_cos_sin(position[:, None], self.config.head_dim, self.config.rope_theta, x.dtype)
+        x = self.embed(tokens)
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         for block in self.layers:
             x = block(x, cos, sin, ctx)
-        return self.norm(x[:, 0])
+        return self.norm(x)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 document_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:

@@ -25,7 +25,7 @@ class SamplingConfig:
     unconditional prompts are passed explicitly); three-stream
     `u + cfg_image_scale·(img − u) + cfg_text_scale·(full − img)` when both of those are set.
 
-    speculative_window N >= 2 turns on speculative Jacobi decoding inside images (`speculative_decode`):
+    speculative_window N >= 2 turns on speculative Jacobi decoding inside images (`_SpeculativeStep`):
     each forward checks N drafted image codes, the same distribution as plain sampling in fewer forwards.
     """
 
@@ -76,11 +76,6 @@ class SamplingConfig:
             raise ValueError(
                 "SamplingConfig.compile needs the KV cache: without it every step has a new shape and would compile "
                 "again; drop --no-kv-cache or --compile"
-            )
-        if self.compile and self.speculative_window:
-            raise ValueError(
-                "SamplingConfig.compile and speculative_window do not combine: speculative decoding feeds chunks "
-                "of varying width, which run eagerly; choose one (--compile or --speculative-window)"
             )
         if self.speculative_window != 0 and self.speculative_window < 2:
             raise ValueError(
@@ -515,6 +510,11 @@ def generate_ids(
     check_compatible(model=model.config, vocab=vocab)
     if not prompts:
         return []
+    if config.speculative_window and getattr(model.config, "image_bidirectional", False):
+        raise ValueError(
+            "speculative_window needs causal attention inside images, but the model has image_bidirectional=True: "
+            "drafts fed in one forward would see each other; use speculative_window=0"
+        )
     device = next(model.parameters()).device
     context = int(model.config.max_seq_len)
     streams = build_streams(vocab, prompts, config, context, uncond_prompts, image_cond_prompts)
@@ -523,7 +523,8 @@ def generate_ids(
     generator = None
     if config.seed is not None:
         generator = torch.Generator(device=device).manual_seed(int(config.seed))
-    columns = max(rules.steps, 1)
+    # one spare column: the steps write a token for every prompt, those that take none into the spare one
+    columns = max(rules.steps, 1) + 1
     if config.compile:  # the compiled step's shapes then repeat across prompt lengths (as its cache's)
         columns = _round_up(columns, COMPILED_CACHE_MULTIPLE)
     out = torch.full((streams.n_prompts, columns), vocab.pad_id, dtype=torch.long, device=device)
@@ -531,10 +532,7 @@ def generate_ids(
     was_training = model.training
     model.eval()
     try:
-        if config.speculative_window:
-            forwards = speculative_decode(model, vocab, streams, rules, seen, config, generator, out)
-        else:
-            forwards = _plain_decode(model, vocab, streams, rules, seen, config, generator, out)
+        forwards = _decode(model, vocab, streams, rules, seen, config, generator, out)
     finally:
         model.train(was_training)
     if stats is not None:
@@ -544,7 +542,7 @@ def generate_ids(
     return [row[:count] for row, count in zip(out.tolist(), rules.n_new.tolist())]
 
 
-def _plain_decode(
+def _decode(
     model: torch.nn.Module,
     vocab: Any,
     streams: Streams,
@@ -554,22 +552,68 @@ def _plain_decode(
     generator: torch.Generator | None,
     out: torch.Tensor,
 ) -> int:
-    """One token per prompt per forward until every prompt is done; fills `out`, returns the forwards made.
+    """The decode loop until every prompt is done; fills `out`, returns the forwards made (the prefill included).
 
-    The prefill and the first token run eagerly; every later step is `_PlainStep`, compiled when config.compile.
+    The prefill and the first token run eagerly. Every later forward is a `_PlainStep` (one token per prompt) or,
+    with speculative_window and while a prompt is inside an image, a `_SpeculativeStep`; compiled when
+    config.compile. Text decoding with speculative_window on gives the plain sampler's tokens for a seed: its
+    forwards are plain steps that draw the same noise.
     """
-    decoder = _Decoder(model, streams.rows, vocab.pad_id, rules.steps, config.use_kv_cache, out.device,
-                       cache_multiple=COMPILED_CACHE_MULTIPLE if config.compile else 1)
+    window = int(config.speculative_window)
+    rows, boi_first = streams.rows, None
+    if config.mode == "image":
+        # image mode forces <boi>: it joins the prompt, so the prefill gives the first code's distribution
+        boi_first = ~rules.in_image & ~rules.done
+        needs = boi_first.tolist()
+        rows = [row + [vocab.boi_id] if needs[i % streams.n_prompts] else row for i, row in enumerate(rows)]
+    decoder = _Decoder(model, rows, vocab.pad_id, rules.steps, config.use_kv_cache, out.device,
+                       chunk=window + 1, cache_multiple=COMPILED_CACHE_MULTIPLE if config.compile else 1)
     race = _new_race(config, streams.n_prompts, int(vocab.vocab_size), out.device)
     step = _PlainStep(decoder, streams, rules, seen, config, race, vocab.pad_id, out)
-    step.choose(decoder.prefill(), _draw_race(race, generator))
+    if boi_first is not None:
+        step.take(torch.full_like(step.token, vocab.boi_id), boi_first)
+    was_in_image = rules.in_image.clone()
+    logits = decoder.prefill()
+    step.choose(logits, _draw_race(race, generator))
+    speculative = _SpeculativeStep(step, window) if window else None
+    if speculative is not None and bool(was_in_image.any()):  # (no noise drawn otherwise: text keeps its tokens)
+        speculative.draw_noise(generator)
+        speculative.start(logits, was_in_image)
     run = compiled_step(step, out.device) if config.compile else step
-    # image mode knows its length; otherwise look for the end every step on CPU (free there) and every
-    # CHECK_DONE_EVERY steps elsewhere, where reading `done` back waits for the device
-    check_every = rules.steps if config.mode == "image" else 1 if out.device.type == "cpu" else CHECK_DONE_EVERY
+    run_speculative = speculative
+    if speculative is not None and config.compile:
+        run_speculative = compiled_step(speculative, out.device)
     forwards = 1
+    if config.mode == "image" and speculative is None:
+        # the length is known (one read back here, none in the loop): a forward per code still to draw, then
+        # <eoi>, which is forced, so it needs no forward
+        left = int(torch.where(rules.done, 0, rules.n_codes - rules.codes_done).max())
+        for _ in range(left):
+            run(_draw_race(race, generator))
+        step.take(torch.full_like(step.token, vocab.eoi_id), rules.in_image)
+        return forwards + left
+    # look for the end every step on CPU (free there) and every CHECK_DONE_EVERY steps elsewhere, where reading
+    # `done` back waits for the device. Speculative decoding reads back once per forward whether it is done, whether
+    # any prompt is inside an image and (image mode) whether only the forced <eoi> is left.
+    check_every = 1 if out.device.type == "cpu" else CHECK_DONE_EVERY
+    # every forward commits at least one token for every unfinished prompt, so rules.steps bounds the forwards
     for index in range(1, rules.steps):
-        if index % check_every == 0 and rules.all_done:
+        if speculative is not None:
+            live = ~rules.done
+            codes_left = live & ~(rules.in_image & (rules.codes_done >= rules.n_codes))
+            going, imaging, drawing = torch.stack([live.any(), (rules.in_image & live).any(),
+                                                   codes_left.any()]).tolist()
+            if not going:
+                break
+            if config.mode == "image" and not drawing:
+                step.take(torch.full_like(step.token, vocab.eoi_id), rules.in_image)
+                break
+            if imaging:
+                speculative.draw_noise(generator)
+                run_speculative(_draw_race(race, generator))
+                forwards += 1
+                continue
+        elif index % check_every == 0 and rules.all_done:
             break
         run(_draw_race(race, generator))
         forwards += 1
@@ -592,6 +636,13 @@ def _draw_race(race: torch.Tensor | None, generator: torch.Generator | None) -> 
     return None if race is None else exponential_race(race, generator)
 
 
+def _record(out: torch.Tensor, rules: ModalityRules, token: torch.Tensor, take: torch.Tensor) -> None:
+    """Write each taking prompt's token at its next output column (call before rules.advance); the others write
+    into the spare last column, so the shapes stay fixed."""
+    column = torch.where(take & ~rules.done, rules.n_new, out.shape[1] - 1)
+    out.scatter_(1, column[:, None], token[:, None])
+
+
 class _PlainStep:
     """One step of the plain decode loop on fixed-shape tensors that change in place: feed each prompt's last token
     to its streams, choose the next one, write it out, advance the rules.
@@ -605,14 +656,13 @@ class _PlainStep:
         self.decoder, self.rules, self.seen, self.config = decoder, rules, seen, config
         self.pad_id, self.out = pad_id, out
         self.n_prompts, self.n_streams = streams.n_prompts, streams.n_streams
-        self.token = torch.full((self.n_prompts,), pad_id, dtype=torch.long, device=out.device)
-        self.column = torch.zeros((), dtype=torch.long, device=out.device)  # where the next token goes in `out`
+        self.token = torch.full((self.n_prompts,), pad_id, dtype=torch.long, device=out.device)  # the last taken
         self.race = race
 
     def state(self) -> list[torch.Tensor]:
         """Every tensor the step changes in place (a CUDA graph must keep them at fixed addresses)."""
         rules, cache = self.rules, self.decoder.cache
-        tensors = [self.token, self.column, self.out, self.decoder.next_pos, rules.n_new, rules.codes_done,
+        tensors = [self.token, self.out, self.decoder.next_pos, rules.n_new, rules.codes_done,
                    rules.in_image, rules.done]
         if self.seen is not None:
             tensors.append(self.seen.seen)
@@ -622,14 +672,17 @@ class _PlainStep:
             tensors += [self.decoder.slot, cache.document_ids, cache.positions, *cache.keys, *cache.values]
         return tensors
 
+    def take(self, token: torch.Tensor, take: torch.Tensor) -> None:
+        """Commit one token for each prompt in `take`: write it out, remember its text, advance the rules."""
+        _record(self.out, self.rules, token, take)
+        if self.seen is not None:
+            self.seen.add(token, take & ~self.rules.done)
+        self.rules.advance(token, take)
+
     def choose(self, logits: torch.Tensor, race: torch.Tensor | None) -> None:
         """Choose each prompt's next token from the rows' logits, record it and advance the rules."""
         token = _next_tokens(logits, self.n_prompts, self.rules, self.seen, self.config, race, self.pad_id)
-        self.out.index_copy_(1, self.column.view(1), token[:, None])
-        self.column += 1
-        if self.seen is not None:
-            self.seen.add(token, ~self.rules.done)
-        self.rules.advance(token)
+        self.take(token, torch.ones_like(self.rules.done))
         self.token.copy_(token)
 
     def __call__(self, race: torch.Tensor | None) -> None:
@@ -639,7 +692,7 @@ class _PlainStep:
         self.choose(logits, race)
 
 
-def compiled_step(step: _PlainStep, device: torch.device):
+def compiled_step(step: _PlainStep | _SpeculativeStep, device: torch.device):
     """`step` under torch.compile (one graph, static shapes); on CUDA mode="reduce-overhead", a CUDA graph.
 
     The compiled code is cached on the step's code, so later calls with the same shapes and settings reuse it.
@@ -654,7 +707,13 @@ def compiled_step(step: _PlainStep, device: torch.device):
 
 
 class _Decoder:
-    """Feeds tokens to the model for all rows in lockstep, with or without a KV cache; returns last logits."""
+    """Feeds tokens to the model for all rows, with or without a KV cache; returns their logits.
+
+    With a cache, every row has its own write index (`slot`): a forward writes T tokens per row from there on and
+    `advance` moves each row on by the tokens it keeps, so the next forward overwrites the rest. Every shape is
+    fixed. Without a cache (the reference path) the whole sequence is recomputed every forward, and tokens a row
+    does not keep become padding (document -1) when another row keeps more.
+    """
 
     def __init__(
         self,
@@ -664,10 +723,10 @@ class _Decoder:
         steps: int,
         use_cache: bool,
         device,
-        extra_cache: int = 0,
+        chunk: int = 1,
         cache_multiple: int = 1,
     ):
-        """extra_cache: cache slots beyond prompt + steps (speculative decoding's drafts and holes);
+        """chunk: the most tokens a row is fed in one forward after the prefill (speculative decoding's window + 1);
         cache_multiple: round the cache length up to a multiple of it (a compiled step's shapes then repeat)."""
         self.model, self.pad_id, self.use_cache = model, pad_id, use_cache
         width = max(len(r) for r in rows)
@@ -682,40 +741,61 @@ class _Decoder:
             self.pos[i, width - len(r) :] = torch.arange(len(r), device=device)
         self.next_pos = torch.tensor([len(r) for r in rows], device=device)
         self.max_pos = int(model.config.max_seq_len) - 1
-        length = _round_up(width + steps + extra_cache, cache_multiple)
+        # a row keeps at most `steps` tokens after its prompt, and a forward writes up to `chunk` past its last one
+        length = _round_up(width + steps + chunk, cache_multiple)
         self.cache = model.new_kv_cache(n, length, device=device) if use_cache else None
-        self.slot = torch.tensor(width, device=device)  # the cache index of the next single-token step
+        self.slot = torch.full((n,), width, dtype=torch.long, device=device)  # each row's next cache index
+        if use_cache and not hasattr(model, "decode_hidden"):
+            raise ValueError(f"{type(model).__name__} has no decode_hidden: sample it with use_kv_cache=False")
 
     def prefill(self) -> torch.Tensor:
         """Run the prompts; the logits at every row's last token, (rows, V)."""
-        return self._last_logits(self.ids, self.pos, self.docs)
+        return self._logits(self.ids, self.pos, self.docs, 1)[:, 0]
 
     def step(self, token: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
-        """Append one token per row (finished rows get a padding token that attends to nothing real).
+        """Feed one token per row and keep it (finished rows get a padding token that attends to nothing real);
+        the logits after it, (rows, V)."""
+        logits = self.feed(token[:, None], live[:, None])[:, 0]
+        self.advance(live.long())
+        return logits
 
-        With a cache this is the model's decode path (fixed shapes, state changed in place, no host sync)."""
-        token = torch.where(live, token, torch.full_like(token, self.pad_id))
-        pos = self.next_pos.clamp(max=self.max_pos)
-        doc = torch.where(live, 0, -1)
-        self.next_pos += live.long()
-        if self.use_cache and hasattr(self.model, "decode_hidden"):
-            hidden = self.model.decode_hidden(token, pos, doc, self.slot, self.cache)
-            self.slot += 1
-            return self.model.head(hidden).float()
-        new = (token[:, None], pos[:, None], doc[:, None])
+    def feed(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """Feed tokens (rows, T) after each row's kept ones, each row's valid ones a prefix and the rest padding;
+        the logits after each, (rows, T, V). Nothing is kept until `advance`."""
+        tokens = torch.where(valid, tokens, torch.full_like(tokens, self.pad_id))
+        pos = (self.next_pos[:, None] + torch.arange(tokens.shape[1], device=tokens.device)).clamp(max=self.max_pos)
+        docs = torch.where(valid, 0, -1)
         if self.use_cache:
-            return self._last_logits(*new)
-        old = (self.ids, self.pos, self.docs)
-        self.ids, self.pos, self.docs = (torch.cat([a, b], dim=1) for a, b in zip(old, new))
-        return self._last_logits(self.ids, self.pos, self.docs)
+            return self.model.head(self.model.decode_hidden(tokens, pos, docs, self.slot, self.cache)).float()
+        self.ids, self.pos, self.docs = (torch.cat(pair, dim=1) for pair in
+                                         zip((self.ids, self.pos, self.docs), (tokens, pos, docs)))
+        self.fed = tokens.shape[1]
+        return self._logits(self.ids, self.pos, self.docs, self.fed)
 
-    def _last_logits(self, ids: torch.Tensor, pos: torch.Tensor, docs: torch.Tensor) -> torch.Tensor:
+    def advance(self, counts: torch.Tensor) -> None:
+        """Keep the first counts[r] tokens row r was just fed (0 for a finished row); forget the rest.
+
+        The kept keys saw only kept tokens (attention is causal), so they stay valid."""
+        self.next_pos += counts
+        if self.use_cache:
+            self.slot += counts
+            return
+        # no cache: drop the columns no row keeps; a row's dropped tokens before the longest kept prefix become
+        # padding (document -1)
+        kept = int(counts.max())
+        start = self.ids.shape[1] - self.fed
+        self.ids, self.pos, self.docs = (a[:, : start + kept] for a in (self.ids, self.pos, self.docs))
+        dropped = torch.arange(kept, device=counts.device)[None, :] >= counts[:, None]
+        self.docs[:, start:].masked_fill_(dropped, -1)
+
+    def _logits(self, ids: torch.Tensor, pos: torch.Tensor, docs: torch.Tensor, last: int) -> torch.Tensor:
+        """The logits (rows, last, V) at the last `last` columns of a forward over ids (appended to the cache)."""
         head = getattr(self.model, "head", None)
         if head is None or not hasattr(self.model, "forward_hidden"):
-            return self.model(ids, position_ids=pos, document_ids=docs, kv_cache=self.cache)[:, -1]
-        # the head on the last column only: a long prompt never materialises (rows, T, V) logits
+            return self.model(ids, position_ids=pos, document_ids=docs, kv_cache=self.cache)[:, -last:].float()
+        # the head on the last columns only: a long prompt never materialises (rows, T, V) logits
         hidden = self.model.forward_hidden(ids, position_ids=pos, document_ids=docs, kv_cache=self.cache)
-        return head(hidden[:, -1]).float()
+        return head(hidden[:, -last:]).float()
 
 
 # ---------------------------------------------------------------- speculative Jacobi decoding of image codes
@@ -730,95 +810,22 @@ class _Decoder:
 # so each committed code is an exact draw from p given the committed prefix. At temperature 0 a draft is accepted
 # iff it is p's argmax and the replacement is the argmax: greedy decoding, token for token.
 #
-# Rows commit different numbers of tokens per forward; the KV cache keeps one length for all rows, so a row that
-# committed fewer leaves holes (document id -1: no query attends to them, as with the prompts' left padding)
-# where the others kept accepted drafts. Holes are squeezed out when the cache fills (`_ChunkDecoder._compact`).
-# Prompts outside images (text, `<boi>`, `<eoi>`) take one token per forward in the same forwards, through the
-# plain sampler's own rules.
-
-# cache slots for holes beyond the drafts, as a fraction of the tokens to generate: a compaction copies the
-# whole cache once, so leave room for many forwards between two
-HOLE_ROOM = 0.25
-
-
-def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One index per row of non-negative, not necessarily normalised weights (..., C): the exponential race."""
-    return (weights / exponential_race(torch.empty_like(weights), generator)).argmax(dim=-1)
+# The drafts for the next forward are draws from this forward's p at their positions (the Jacobi update). A draft
+# that was already there is kept with probability min(1, q_new(x)/q_old(x)) and otherwise replaced by a draw from
+# normalize(max(0, q_new − q_old)): the maximal coupling of the old and new proposals (MC-SJD, arXiv 2510.24211).
+# The new draft is still an exact draw from q_new, so acceptance stays exact, but the drafts change only where the
+# proposals disagree; the context of later positions then settles, and more of them are accepted.
+#
+# Every shape is fixed: a forward feeds window + 1 tokens per row (the unused ones are padding), all noise is drawn
+# outside the step, and rows that commit different numbers of tokens move their own cache index on
+# (`_Decoder.advance`), so the step compiles to one graph as the plain one does. Prompts outside images (text,
+# `<boi>`, `<eoi>`) take one token per forward in the same forwards, through the plain sampler's own rules.
 
 
-class _ChunkDecoder(_Decoder):
-    """A _Decoder that feeds several tokens per row and forward, then keeps a per-row prefix of them."""
-
-    def __init__(self, model: torch.nn.Module, rows: list[list[int]], pad_id: int, steps: int, use_cache: bool,
-                 device: torch.device, window: int):
-        # a forward adds at most window + 1 tokens; after a compaction a row holds at most prompt + steps - 1
-        super().__init__(model, rows, pad_id, steps, use_cache, device,
-                         extra_cache=window + 1 + int(HOLE_ROOM * steps))
-        self.chunk_start = 0  # cache length (or column count without a cache) before the last chunk
-
-    def _length(self) -> int:
-        return self.cache.length if self.use_cache else self.ids.shape[1]
-
-    def feed(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        """Append tokens (rows, T), each row's valid ones a prefix, the rest padding; logits (rows, T, V)."""
-        width = tokens.shape[1]
-        if self.use_cache and self.cache.length + width > self.cache.max_len:
-            self._compact()
-        tokens = torch.where(valid, tokens, torch.full_like(tokens, self.pad_id))
-        offsets = torch.arange(width, device=tokens.device)
-        pos = (self.next_pos[:, None] + offsets).clamp(max=self.max_pos)
-        docs = torch.where(valid, 0, -1)
-        self.chunk_start = self._length()
-        if self.use_cache:
-            return self._chunk_logits(tokens, pos, docs, width)
-        self.ids, self.pos, self.docs = (torch.cat(pair, dim=1) for pair in
-                                         zip((self.ids, self.pos, self.docs), (tokens, pos, docs)))
-        return self._chunk_logits(self.ids, self.pos, self.docs, width)
-
-    def keep(self, counts: torch.Tensor) -> None:
-        """Keep the first counts[r] tokens of row r's last chunk (0 for a padding row); forget the rest.
-
-        The kept keys saw only committed tokens (attention is causal), so they stay valid; a row's dropped
-        slots before the longest kept prefix become holes (document -1).
-        """
-        kept = int(counts.max())
-        end = self.chunk_start + kept
-        if self.use_cache:
-            self.cache.truncate(end)
-            docs = self.cache.document_ids
-        else:
-            self.ids, self.pos, self.docs = self.ids[:, :end], self.pos[:, :end], self.docs[:, :end]
-            docs = self.docs
-        hole = torch.arange(kept, device=counts.device)[None, :] >= counts[:, None]
-        docs[:, self.chunk_start : end].masked_fill_(hole, -1)
-        self.next_pos = self.next_pos + counts
-
-    def _compact(self) -> None:
-        """Squeeze the holes out of the cache: each row's cached tokens move right, in order, padding before.
-
-        Attention depends only on which keys a query may see (document ids, order) and on the positions stored
-        with them, so moving them changes no logit beyond float summation order.
-        """
-        cache = self.cache
-        length = cache.length
-        real = cache.document_ids[:, :length] >= 0
-        new_length = int(real.sum(dim=1).max())
-        # a stable sort puts each row's holes first and its real keys after them, in their order
-        order = torch.argsort(real.long(), dim=1, stable=True)[:, length - new_length :]
-        for buffers in (cache.keys, cache.values):
-            for buffer in buffers:
-                index = order[:, None, :, None].expand(-1, buffer.shape[1], -1, buffer.shape[3])
-                buffer[:, :, :new_length] = buffer[:, :, :length].gather(2, index)
-        cache.document_ids[:, :new_length] = cache.document_ids[:, :length].gather(1, order)
-        cache.positions[:, :new_length] = cache.positions[:, :length].gather(1, order)
-        cache.truncate(new_length)
-
-    def _chunk_logits(self, ids: torch.Tensor, pos: torch.Tensor, docs: torch.Tensor, width: int) -> torch.Tensor:
-        head = getattr(self.model, "head", None)
-        if head is None or not hasattr(self.model, "forward_hidden"):
-            return self.model(ids, position_ids=pos, document_ids=docs, kv_cache=self.cache)[:, -width:].float()
-        hidden = self.model.forward_hidden(ids, position_ids=pos, document_ids=docs, kv_cache=self.cache)
-        return head(hidden[:, -width:]).float()
+def _draw(weights: torch.Tensor, race: torch.Tensor) -> torch.Tensor:
+    """One index per row of non-negative, not necessarily normalised weights (..., C) with exponential_race noise
+    of the same shape: the exponential race."""
+    return (weights / race).argmax(dim=-1)
 
 
 def _image_targets(
@@ -837,11 +844,10 @@ def _image_targets(
     mixed = _guided(codes, n_prompts * width, everywhere, config)
     top_k = torch.full((len(mixed),), config.image_top_k, device=logits.device)
     top_p = torch.full((len(mixed),), config.image_top_p, device=logits.device)
-    kept = truncate_logits(mixed, top_k, top_p)
+    kept = truncate_logits(mixed, top_k, top_p, largest_k=config.image_top_k, use_p=config.image_top_p < 1.0)
     if config.image_temperature == 0:
         return kept.argmax(dim=-1).view(n_prompts, width)
-    temperature = torch.full((len(kept), 1), config.image_temperature, device=logits.device)
-    return (kept / temperature.clamp_min(1e-6)).softmax(dim=-1).view(n_prompts, width, -1)
+    return (kept / config.image_temperature).softmax(dim=-1).view(n_prompts, width, -1)
 
 
 def _verify(
@@ -849,125 +855,148 @@ def _verify(
     drafts: torch.Tensor,
     draft_q: torch.Tensor | None,
     window: torch.Tensor,
-    generator: torch.Generator | None,
+    uniform: torch.Tensor | None,
+    race: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(accepted drafts per prompt, the code after them): speculative sampling's accept / replace rule.
 
-    target: _image_targets of this chunk; drafts (prompts, window) code indices drawn from draft_q
-    (prompts, window, codes), None at temperature 0 (greedy); window: the drafts each prompt fed.
+    target: _image_targets of this chunk, (prompts, window_cap + 1[, codes]); drafts (prompts, window_cap) code
+    indices drawn from draft_q (prompts, window_cap, codes), None at temperature 0 (greedy); window: the drafts
+    each prompt fed; uniform (prompts, window_cap) and race (prompts, codes): this forward's noise.
     """
     n_prompts, width = target.shape[:2]
     checked = width - 1
     rows = torch.arange(n_prompts, device=target.device)
     in_window = torch.arange(checked, device=target.device)[None, :] < window[:, None]
-    drafted = drafts[:, :checked]
     if draft_q is None:  # greedy: a draft stands iff it is the argmax
-        ok = drafted == target[:, :checked]
+        ok = drafts == target[:, :checked]
     else:
-        p_draft = target[:, :checked].gather(-1, drafted[..., None]).squeeze(-1)
-        q_draft = draft_q[:, :checked].gather(-1, drafted[..., None]).squeeze(-1)
-        uniform = torch.rand(drafted.shape, generator=generator, device=target.device)
+        p_draft = target[:, :checked].gather(-1, drafts[..., None]).squeeze(-1)
+        q_draft = draft_q.gather(-1, drafts[..., None]).squeeze(-1)
         ok = uniform * q_draft < p_draft  # u < p/q: accepted with probability min(1, p/q)
     accepted = (ok & in_window).long().cumprod(dim=1).sum(dim=1)
     if draft_q is None:
         return accepted, target[rows, accepted]
     p_next = target[rows, accepted]
     rejected = accepted < window
-    residual = (p_next - draft_q[rows, accepted.clamp(max=draft_q.shape[1] - 1)]).clamp_min(0)
+    residual = (p_next - draft_q[rows, accepted.clamp(max=checked - 1)]).clamp_min(0)
     # p ≤ q everywhere can only come from rounding (a rejection needs p(x) < q(x), so mass elsewhere)
     usable = rejected[:, None] & (residual.sum(dim=-1, keepdim=True) > 0)
-    return accepted, _draw(torch.where(usable, residual, p_next), generator)
+    return accepted, _draw(torch.where(usable, residual, p_next), race)
 
 
-def speculative_decode(
-    model: torch.nn.Module,
-    vocab: Any,
-    streams: Streams,
-    rules: ModalityRules,
-    seen: _SeenText | None,
-    config: SamplingConfig,
-    generator: torch.Generator | None,
-    out: torch.Tensor,
-) -> int:
-    """The decode loop with speculative Jacobi decoding inside images; fills `out`, returns the forwards made.
+def _coupled_drafts(
+    new_q: torch.Tensor, old_drafts: torch.Tensor, old_q: torch.Tensor, has_old: torch.Tensor,
+    uniform: torch.Tensor, race: torch.Tensor,
+) -> torch.Tensor:
+    """Draws from new_q (prompts, W, codes) maximally coupled with the old drafts where has_old: an old draft x
+    stays with probability min(1, q_new(x)/q_old(x)), else the draw is from normalize(max(0, q_new − q_old))."""
+    new_at_old = new_q.gather(-1, old_drafts[..., None]).squeeze(-1)
+    old_at_old = old_q.gather(-1, old_drafts[..., None]).squeeze(-1)
+    stays = has_old & (uniform * old_at_old < new_at_old)
+    residual = (new_q - old_q).clamp_min(0)
+    # only proposals that differ leave a residual; equal ones (up to rounding) keep the old draft
+    usable = has_old[..., None] & (residual.sum(dim=-1, keepdim=True) > 0)
+    fresh = _draw(torch.where(usable, residual, new_q), race)
+    return torch.where(stays, old_drafts, fresh)
 
-    Same contract as sampling._plain_decode: `rules` and `seen` move on as tokens are committed.
+
+class _SpeculativeStep:
+    """One forward of speculative Jacobi decoding on fixed shapes that change in place: feed each prompt's last
+    committed token and its drafts, commit the accepted drafts and one more code (or, outside an image, one token
+    by the plain rules), then draw the next drafts. Shares the plain step's state, so the loop can alternate.
     """
-    if getattr(model.config, "image_bidirectional", False):
-        raise ValueError(
-            "speculative_window needs causal attention inside images, but the model has image_bidirectional=True: "
-            "drafts fed in one forward would see each other; use speculative_window=0"
-        )
-    device = out.device
-    window_cap = int(config.speculative_window)
-    n_prompts, n_streams = streams.n_prompts, streams.n_streams
-    code_ids = torch.nonzero(rules.is_image).flatten()
-    greedy = config.image_temperature == 0
-    decoder = _ChunkDecoder(model, streams.rows, vocab.pad_id, rules.steps, config.use_kv_cache, device, window_cap)
-    prompt_index = torch.arange(n_prompts, device=device)
-    draft_offsets = torch.arange(window_cap, device=device)
 
-    logits = decoder.prefill()[:, None]  # a chunk of one position, no drafts
-    forwards, fed = 1, False
-    window = torch.zeros(n_prompts, dtype=torch.long, device=device)
-    drafts = torch.zeros(n_prompts, window_cap, dtype=torch.long, device=device)
-    draft_q: torch.Tensor | None = None  # what the drafts were drawn from (None when greedy)
-    while True:
-        live = ~rules.done
-        was_in_image = rules.in_image.clone()
-        fed_window, drafting = window, window > 0
-        # (no prompt in an image: nothing to draft or check, and no random draw spent, so text decoding
-        # gives the plain sampler's tokens for a seed)
-        target = _image_targets(logits, code_ids, n_prompts, config) if bool((live & was_in_image).any()) else None
+    def __init__(self, plain: _PlainStep, window: int):
+        rules, device = plain.rules, plain.out.device
+        self.plain, self.window_cap = plain, window
+        self.code_ids = torch.nonzero(rules.is_image).flatten()
+        prompts, codes = plain.n_prompts, len(self.code_ids)
+        self.window = torch.zeros(prompts, dtype=torch.long, device=device)  # the drafts each prompt feeds next
+        self.drafts = torch.zeros(prompts, window, dtype=torch.long, device=device)  # code indices
+        self.greedy = plain.config.image_temperature == 0
+        self.draft_q = None if self.greedy else torch.zeros(prompts, window, codes, device=device)
+        # noise, drawn outside the step by the seeded generator (draw_noise)
+        self.noise: list[torch.Tensor] = []
+        if not self.greedy:
+            self.uniforms = torch.zeros(2, prompts, window, device=device)  # acceptance, coupling
+            self.races = torch.zeros(prompts, window + 1, codes, device=device)  # replacement, drafts
+            self.noise = [self.uniforms, self.races]
+
+    def state(self) -> list[torch.Tensor]:
+        """Every tensor the step changes in place (a CUDA graph must keep them at fixed addresses)."""
+        own = [self.window, self.drafts, *self.noise] + ([] if self.draft_q is None else [self.draft_q])
+        return self.plain.state() + own
+
+    def draw_noise(self, generator: torch.Generator | None) -> None:
+        """This forward's acceptance, coupling and draw noise, in place."""
+        if not self.greedy:
+            self.uniforms.uniform_(generator=generator)
+            exponential_race(self.races, generator)
+
+    def __call__(self, race: torch.Tensor | None) -> None:
+        """Feed, verify, commit, draft."""
+        plain, rules, config = self.plain, self.plain.rules, self.plain.config
+        n_prompts, width = plain.n_prompts, self.window_cap + 1
+        device = plain.out.device
+        live, was_in_image = ~rules.done, rules.in_image.clone()
+        fed_window = self.window.clone()
+        drafting = fed_window > 0
+        chunk = torch.cat([plain.token[:, None], self.code_ids[self.drafts]], dim=1)
+        offsets = torch.arange(width, device=device)
+        valid = (offsets[None, :] <= fed_window[:, None]) & live[:, None]
+        logits = plain.decoder.feed(chunk.repeat(plain.n_streams, 1), valid.repeat(plain.n_streams, 1))
 
         # what each prompt commits: its accepted drafts and one more code, or one token by the plain rules
-        width = logits.shape[1]
-        commit = torch.full((n_prompts, width), vocab.pad_id, dtype=torch.long, device=device)
-        accepted = torch.zeros_like(window)
-        if bool(drafting.any()):
-            accepted, code_after = _verify(target, drafts, draft_q, window, generator)
-            commit[:, : width - 1] = code_ids[drafts[:, : width - 1]]
-            commit[prompt_index, accepted] = code_ids[code_after]
-        if bool((live & ~drafting).any()):
-            plain = _next_tokens(logits[:, 0], n_prompts, rules, seen, config,
-                                 _draw_race(_new_race(config, n_prompts, logits.shape[-1], device), generator),
-                                 vocab.pad_id)
-            commit[:, 0] = torch.where(drafting, commit[:, 0], plain)
+        target = _image_targets(logits, self.code_ids, n_prompts, config)
+        uniform = None if self.greedy else self.uniforms[0]
+        accepted, code_after = _verify(target, self.drafts, self.draft_q, fed_window, uniform,
+                                       None if self.greedy else self.races[:, 0])
+        by_rules = _next_tokens(logits[:, 0], n_prompts, rules, plain.seen, config, race, plain.pad_id)
+        commit = torch.cat([chunk[:, 1:], chunk[:, :1]], dim=1)
+        commit.scatter_(1, accepted[:, None], self.code_ids[code_after][:, None])
+        commit[:, 0] = torch.where(drafting, commit[:, 0], by_rules)
         counts = torch.where(drafting, accepted + 1, live.long())
-        for column in range(int(counts.max())):
-            take = counts > column
-            token = commit[:, column]
-            out[prompt_index[take], rules.n_new[take]] = token[take]
-            if seen is not None:
-                seen.add(token, take & ~rules.done)
-            rules.advance(token, take)
-        if fed:  # the fed token and the accepted drafts stay in the cache; the code after them is fed next
-            decoder.keep(torch.where(drafting, accepted + 1, live.long()).repeat(n_streams))
-        if rules.all_done:
-            return forwards
+        for column in range(width):
+            plain.take(commit[:, column], counts > column)
+        # the fed token and the accepted drafts stay in the cache; the last committed token is fed next
+        plain.decoder.advance(counts.repeat(plain.n_streams))
+        plain.token.copy_(commit.gather(1, (counts - 1).clamp(min=0)[:, None])[:, 0])
 
-        # Next drafts, for the codes after the last committed one. Where this chunk reached that code, the draft
-        # is a draw from this forward's p there (the Jacobi update; its context held older drafts, which only
-        # makes it a worse proposal, never a wrong one: q is whatever the draft was drawn from). Codes past the
-        # chunk's end are drawn from the chunk's last p rather than uniformly: neighbouring codes of an image are
-        # alike, so repeating the last prediction is the better guess (greedy, it fills a flat region exactly).
-        # A prompt without an image p yet (it just opened an image) takes its first code by the plain rules.
+        self._draft(target, counts, fed_window, was_in_image)
+
+    def start(self, logits: torch.Tensor, was_in_image: torch.Tensor) -> None:
+        """The first drafts, from the prefill's logits (rows, V), for prompts that were inside an image before it."""
+        target = _image_targets(logits[:, None], self.code_ids, self.plain.n_prompts, self.plain.config)
+        ones = torch.ones_like(self.window)
+        self._draft(target, ones, 0 * ones, was_in_image)
+
+    def _draft(self, target: torch.Tensor, counts: torch.Tensor, fed_window: torch.Tensor,
+               was_in_image: torch.Tensor) -> None:
+        """The next window and drafts, for the codes after each prompt's last committed one.
+
+        target: the chunk's _image_targets; counts: the tokens each prompt kept of it; fed_window: the drafts it
+        fed; was_in_image: which prompts were inside an image before the chunk (the others have no image p yet).
+        Where the chunk reached a draft's code, the draft is a draw from the chunk's p there (its context held older
+        drafts, which only makes it a worse proposal, never a wrong one: q is whatever the draft was drawn from).
+        Codes past the chunk's end are drawn from its last p rather than uniformly: neighbouring codes of an image
+        are alike. A prompt that just opened an image takes its first code by the plain rules.
+        """
+        rules = self.plain.rules
         remaining = rules.n_codes - rules.codes_done
-        window = torch.where(
-            rules.in_image & ~rules.done & was_in_image & (remaining >= 2),
-            (remaining - 1).clamp(max=window_cap), 0,
-        )
-        if bool((window > 0).any()):
-            source = torch.minimum(counts[:, None] + draft_offsets, fed_window[:, None])
-            if greedy:
-                drafts = target.gather(1, source)
-            else:
-                draft_q = target.gather(1, source[..., None].expand(-1, -1, target.shape[-1]))
-                drafts = _draw(draft_q, generator)
-
-        chunk_width = 1 + int(window.max())
-        last_committed = commit.gather(1, (counts - 1).clamp(min=0)[:, None])
-        chunk = torch.cat([last_committed, code_ids[drafts[:, : chunk_width - 1]]], dim=1)
-        valid = (torch.arange(chunk_width, device=device)[None, :] <= window[:, None]) & ~rules.done[:, None]
-        logits = decoder.feed(chunk.repeat(n_streams, 1), valid.repeat(n_streams, 1))
-        forwards, fed = forwards + 1, True
+        self.window.copy_(torch.where(rules.in_image & ~rules.done & was_in_image & (remaining >= 2),
+                                      (remaining - 1).clamp(max=self.window_cap), 0))
+        offsets = torch.arange(self.window_cap, device=counts.device)
+        position = counts[:, None] + offsets[None, :]  # in the chunk, where each next draft's code sits
+        source = torch.minimum(position, fed_window[:, None])
+        if self.greedy:
+            self.drafts.copy_(target.gather(1, source))
+            return
+        new_q = target.gather(1, source[..., None].expand(-1, -1, target.shape[-1]))
+        has_old = position < fed_window[:, None]  # a draft was fed there: couple the new one with it
+        old = position.clamp(max=self.window_cap - 1)
+        old_q = self.draft_q.gather(1, old[..., None].expand(-1, -1, target.shape[-1]))
+        drafts = _coupled_drafts(new_q, self.drafts.gather(1, old), old_q, has_old, self.uniforms[1],
+                                 self.races[:, 1:])
+        self.drafts.copy_(drafts)
+        self.draft_q.copy_(new_q)

@@ -40,7 +40,8 @@ SAMPLING_HELP: dict[str, str] = {
     "stop_at_eos": "keep sampling after </s>",
     "use_kv_cache": "recompute the whole sequence each step (slow; for checks)",
     "speculative_window": "speculative Jacobi decoding inside images: N >= 2 drafted codes checked per forward pass, "
-                          "the same distribution in fewer passes (greedy: the same tokens); 0 = off",
+                          "the same distribution in fewer passes (greedy: the same tokens); combines with "
+                          "--compile; 0 = off",
     "compile": "torch.compile the decode step (on CUDA as a CUDA graph): the same tokens, faster steps after a "
                "one-off compile (9-21 s on 2 CPU cores); pays off after several thousand tokens per prompt shape",
 }

@@ -43,8 +43,10 @@ def test_dry_run_writes_train_and_image_figures(tmp_path):
     for stream in image.values():
         assert stream["seconds_per_image"]["value"] > 0 and stream["bandwidth_bound_fraction"]["value"] > 0
     assert body["config"]["image_512px_7b"]["image_tokens"] == 16 and body["config"]["dry_run"] is True
-    sampler = figures["sampler_512px_7b"]  # the real sampler, eager and compiled, three-stream guidance
-    assert set(sampler) == {"three_stream_batch1_eager", "three_stream_batch1_compiled"}
+    sampler = figures["sampler_512px_7b"]  # the real sampler, eager, compiled and compiled + SJD, three streams
+    assert set(sampler) == {"three_stream_batch1_eager", "three_stream_batch1_compiled",
+                            "three_stream_batch1_compiled_speculative"}
+    assert sampler["three_stream_batch1_compiled"]["forwards"]["value"] == 16  # 4x4 codes, <boi>/<eoi> forced
     for row in sampler.values():
         assert row["seconds_per_image"]["value"] > 0 and row["bandwidth_bound_fraction"]["value"] > 0
     assert all(math.isfinite(x) for x in _numbers(figures))

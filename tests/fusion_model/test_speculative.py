@@ -63,24 +63,6 @@ def test_greedy_speculative_decoding_gives_the_plain_greedy_ids(vocab, mode, gui
     assert recomputed == plain
 
 
-def test_greedy_ids_survive_squeezing_the_holes_out_of_the_cache(vocab, monkeypatch):
-    compactions = []
-    compact = speculative._ChunkDecoder._compact
-
-    def counted(decoder):
-        compactions.append(decoder.cache.length)
-        compact(decoder)
-
-    monkeypatch.setattr(speculative, "HOLE_ROOM", 0.0)  # no spare room: the cache fills with holes and is compacted
-    monkeypatch.setattr(speculative._ChunkDecoder, "_compact", counted)
-    model = steer(tiny_model(vocab, seed=3, context=96), vocab, 4.25, torch.Generator().manual_seed(3))
-    config = greedy(mode="interleaved", image_grid=(4, 4), max_new_tokens=60, cfg_scale=2.0)
-    plain, _ = run(model, vocab, prompts_of(vocab), config)
-    fast, _ = run(model, vocab, prompts_of(vocab), replace(config, speculative_window=4))
-    assert compactions, "the three prompts commit different numbers of codes, so holes should fill the cache"
-    assert fast == plain
-
-
 def test_text_is_sampled_exactly_as_the_plain_sampler_does_for_a_seed(vocab):
     model = tiny_model(vocab)
     config = SamplingConfig(mode="text", max_new_tokens=20, seed=5, repetition_penalty=1.3)
@@ -175,23 +157,30 @@ def test_sampled_images_follow_the_plain_samplers_exact_distribution(few_codes_v
     assert p_value > 1e-3, f"{name}: chi-square p = {p_value:.2e}"
 
 
-def accept_every_draft(target, drafts, draft_q, window, generator):
+def accept_every_draft(target, drafts, draft_q, window, uniform, race):
     rows = torch.arange(len(window))
-    return window.clone(), speculative._draw(target[rows, window], generator)
+    return window.clone(), speculative._draw(target[rows, window], race)
 
 
-def replace_from_p(target, drafts, draft_q, window, generator):
-    accepted, _ = correct_verify(target, drafts, draft_q, window, generator)
+def replace_from_p(target, drafts, draft_q, window, uniform, race):
+    accepted, _ = correct_verify(target, drafts, draft_q, window, uniform, race)
     rows = torch.arange(len(window))
-    return accepted, speculative._draw(target[rows, accepted], generator)
+    return accepted, speculative._draw(target[rows, accepted], race)
 
 
 correct_verify = speculative._verify
+correct_coupling = speculative._coupled_drafts
 
 
-@pytest.mark.parametrize("wrong_rule", [accept_every_draft, replace_from_p])
-def test_the_distribution_test_catches_a_biased_acceptance_rule(few_codes_vocab, monkeypatch, wrong_rule):
-    monkeypatch.setattr(speculative, "_verify", wrong_rule)
+def keep_every_old_draft(new_q, old_drafts, old_q, has_old, uniform, race):
+    """The old draft stays even where the new proposal gives it less mass: the drafts no longer follow q_new."""
+    return torch.where(has_old, old_drafts, correct_coupling(new_q, old_drafts, old_q, has_old, uniform, race))
+
+
+@pytest.mark.parametrize("name, wrong_rule", [("_verify", accept_every_draft), ("_verify", replace_from_p),
+                                              ("_coupled_drafts", keep_every_old_draft)])
+def test_the_distribution_test_catches_a_biased_acceptance_rule(few_codes_vocab, monkeypatch, name, wrong_rule):
+    monkeypatch.setattr(speculative, name, wrong_rule)
     p_value, _ = sampled_images(few_codes_vocab, SAMPLED["window 2"])
     assert p_value < 1e-6
 
@@ -207,12 +196,13 @@ def test_predictable_codes_take_one_forward_per_window(vocab):
     for temperature in (0.0, 1.0):
         config = SamplingConfig(mode="image", image_grid=(4, 4), image_temperature=temperature, seed=0)
         plain, plain_stats = run(model, vocab, prompts, config)
-        assert plain_stats == {"forwards": 18, "image_tokens": 32}  # <boi>, 16 codes, <eoi>: one forward each
+        # <boi> is forced, so it joins the prompt; then a forward per code (the prefill's included); <eoi> is forced
+        assert plain_stats == {"forwards": 16, "image_tokens": 32}
         for window in (2, 4, 8):
             fast, stats = run(model, vocab, prompts, replace(config, speculative_window=window))
             assert fast == plain
-            # <boi>; the first code by the plain rules; then window + 1 codes per forward; <eoi>
-            assert stats == {"forwards": 2 + -(-15 // (window + 1)) + 1, "image_tokens": 32}
+            # the prefill draws the first code and drafts the next ones; then window + 1 codes per forward
+            assert stats == {"forwards": 1 + -(-15 // (window + 1)), "image_tokens": 32}
 
 
 @pytest.mark.parametrize("mode", ["image", "interleaved"])
@@ -256,8 +246,6 @@ def test_bad_speculative_settings_are_refused(vocab):
     for window in (1, -1):
         with pytest.raises(ValueError, match="speculative_window"):
             SamplingConfig(speculative_window=window)
-    with pytest.raises(ValueError, match="choose one"):
-        SamplingConfig(speculative_window=4, compile=True)
     with pytest.raises(ValueError, match="needs the KV cache"):
         SamplingConfig(use_kv_cache=False, compile=True)
     model = tiny_model(vocab, image_bidirectional=True)

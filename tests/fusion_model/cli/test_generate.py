@@ -183,10 +183,11 @@ def test_long_texts_are_cut_in_the_summary_but_every_image_is_listed(tmp_path):
     assert f"output: {'a' * 30}<image: {tmp_path / 'sample_000_image_0.png'}>{'b' * 10}… [20 more characters" in summary
 
 
-def test_compile_is_an_option_and_refused_with_speculative_decoding(files, tmp_path, capsys):
-    assert sampling_config(parser().parse_args(["--checkpoint", "x.ckpt", "--compile"])).compile is True
+def test_compile_is_an_option_and_combines_with_speculative_decoding_but_not_without_a_cache(files, tmp_path, capsys):
+    config = sampling_config(parser().parse_args(["--checkpoint", "x.ckpt", "--compile", "--speculative-window", "4"]))
+    assert config.compile is True and config.speculative_window == 4
     argv = ["generate", "--checkpoint", str(files / "model.ckpt"), "--vocab", str(files / "tokenizer.json"),
             "--image-tokenizer", str(files / "vq"), "--prompt", "the cat", "--mode", "image", "--compile",
-            "--speculative-window", "4", "--out", str(tmp_path / "x")]
+            "--no-kv-cache", "--out", str(tmp_path / "x")]
     assert cli.main(argv) == 2
-    assert "choose one (--compile or --speculative-window)" in capsys.readouterr().err
+    assert "needs the KV cache" in capsys.readouterr().err
