@@ -31,10 +31,10 @@ NAME = "speculative"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RUN_DIR = REPO_ROOT / "runs" / "demo"  # where `bash scripts/demo.sh` writes
 RUN_DIR_ENV = "BENCH_DEMO_RUN_DIR"  # lets `python -m bench speculative` measure another finished run
-WINDOWS = (0, 4, 8)
 # name -> (window, drafts coupled across forwards); window 0 is the plain sampler every other variant is compared with
 VARIANTS = {"window0": (0, True), "window4": (4, True), "window8": (8, True),
             "window4_independent": (4, False), "window8_independent": (8, False)}
+WINDOWS = tuple(sorted({window for window, _ in VARIANTS.values()}))
 # 10 digits x 100 = 1,000 images per window and setting: a standard error of about 1.3 points on an accuracy
 # near 80% (1.8 on a difference); 6 x 1,000 images take about 5 minutes on one thread of an idle CPU
 FULL_SAMPLES_PER_DIGIT = 100

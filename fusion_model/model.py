@@ -176,7 +176,7 @@ class KVCache:
         self.document_ids.fill_(-1)
 
     def truncate(self, length: int) -> None:
-        """Forget every cached token from `length` on (speculative decoding's rollback of rejected drafts).
+        """Forget every cached token from `length` on (a rollback, e.g. of rejected drafts appended by a forward).
 
         The keys before `length` stay valid: causal attention never let them see the tokens after (unless
         image_bidirectional let image tokens fed in one forward see each other).

@@ -584,13 +584,18 @@ def _decode(
     if speculative is not None and config.compile:
         run_speculative = compiled_step(speculative, out.device)
     forwards = 1
+
+    def close_images() -> None:
+        """Image mode: `<eoi>` is forced after the last code, so it is taken without a forward."""
+        step.take(torch.full_like(step.token, vocab.eoi_id), rules.in_image)
+
     if config.mode == "image" and speculative is None:
         # the length is known (one read back here, none in the loop): a forward per code still to draw, then
         # <eoi>, which is forced, so it needs no forward
         left = int(torch.where(rules.done, 0, rules.n_codes - rules.codes_done).max())
         for _ in range(left):
             run(_draw_race(race, generator))
-        step.take(torch.full_like(step.token, vocab.eoi_id), rules.in_image)
+        close_images()
         return forwards + left
     # look for the end every step on CPU (free there) and every CHECK_DONE_EVERY steps elsewhere, where reading
     # `done` back waits for the device. Speculative decoding reads back once per forward whether it is done, whether
@@ -606,7 +611,7 @@ def _decode(
             if not going:
                 break
             if config.mode == "image" and not drawing:
-                step.take(torch.full_like(step.token, vocab.eoi_id), rules.in_image)
+                close_images()
                 break
             if imaging:
                 speculative.draw_noise(generator)
@@ -968,8 +973,7 @@ class _SpeculativeStep:
     def start(self, logits: torch.Tensor, was_in_image: torch.Tensor) -> None:
         """The first drafts, from the prefill's logits (rows, V), for prompts that were inside an image before it."""
         target = _image_targets(logits[:, None], self.code_ids, self.plain.n_prompts, self.plain.config)
-        ones = torch.ones_like(self.window)
-        self._draft(target, ones, 0 * ones, was_in_image)
+        self._draft(target, torch.ones_like(self.window), torch.zeros_like(self.window), was_in_image)
 
     def _draft(self, target: torch.Tensor, counts: torch.Tensor, fed_window: torch.Tensor,
                was_in_image: torch.Tensor) -> None:
