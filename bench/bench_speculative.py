@@ -1,6 +1,7 @@
-"""Speculative Jacobi decoding on the demo's trained model: forwards, image codes per forward, seconds and generation
-accuracy per image for windows 0 (plain), 4 and 8, at the demo's sampling settings and at temperature 1 / no CFG;
-windows 4 and 8 also with independently redrawn drafts (SJD as published) against the sampler's coupled ones."""
+"""Speculative Jacobi decoding on the demo's trained model: forwards, image codes per forward, seconds, generation
+accuracy and distribution-level scores (Fréchet distance, diversity) per image for windows 0 (plain), 4 and 8, at the
+demo's sampling settings and at temperature 1 / no CFG; windows 4 and 8 also with independently redrawn drafts (SJD
+as published) against the sampler's coupled ones."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ import torch
 from bench.harness import paired_result, time_rounds, write_result
 from fusion_model import sampling
 from fusion_model.demo.bookkeeping import read_marker
-from fusion_model.demo.datasets import caption_prompt
+from fusion_model.demo.datasets import caption_prompt, load_digits, to_model_images
 from fusion_model.demo.evaluate import _image_codes, image_sampling
+from fusion_model.demo.metrics import frechet_distance, per_group_diversity
 from fusion_model.demo.settings import GenerateSettings, load_config
 from fusion_model.demo.stages import load_decoder, load_image_tokenizer, load_vocab
 from fusion_model.sampling import generate_ids
@@ -34,11 +36,10 @@ RUN_DIR_ENV = "BENCH_DEMO_RUN_DIR"  # lets `python -m bench speculative` measure
 # name -> (window, drafts coupled across forwards); window 0 is the plain sampler every other variant is compared with
 VARIANTS = {"window0": (0, True), "window4": (4, True), "window8": (8, True),
             "window4_independent": (4, False), "window8_independent": (8, False)}
-WINDOWS = tuple(sorted({window for window, _ in VARIANTS.values()}))
 # 10 digits x 100 = 1,000 images per window and setting: a standard error of about 1.3 points on an accuracy
 # near 80% (1.8 on a difference); 6 x 1,000 images take about 5 minutes on one thread of an idle CPU
 FULL_SAMPLES_PER_DIGIT = 100
-SMOKE_SAMPLES_PER_DIGIT = 1
+SMOKE_SAMPLES_PER_DIGIT = 2  # diversity needs two images of a caption
 # files of a finished demo run that this benchmark reads (stages.load_* and run_generate's classifier)
 RUN_FILES = ("train/model.ckpt", "vocab/tokenizer.json", "tokenizer/model/config.json", "generate/classifier.pt")
 
@@ -149,17 +150,38 @@ def measure_setting(model, vocab, image_tokenizer, classifier, settings: Generat
             predicted = classifier.predict(image_tokenizer.decode(codes)).numpy()
         record["correct"] = (predicted == targets) & complete.numpy()
         record["complete"] = complete.numpy()
+        with torch.inference_mode():
+            record["features"] = classifier.penultimate_features(image_tokenizer.decode(codes)).numpy()
+        record["targets"] = targets
     return raw
 
 
-def summarise(raw: dict[str, dict]) -> dict[str, dict]:
+def real_features(classifier, demo, image_size: int) -> np.ndarray:
+    """The classifier's penultimate features of the demo's held-out real digits (never seen in training)."""
+    digits = load_digits(held_out=demo.data.held_out, limit=demo.data.train_limit, seed=demo.seed)
+    with torch.inference_mode():
+        return classifier.penultimate_features(to_model_images(digits.test_images, image_size)).numpy()
+
+
+def _halves(record: dict, parity: int) -> np.ndarray:
+    """Features of the complete images with an even (0) or odd (1) index: one half of the seeds."""
+    keep = record["complete"].copy()
+    keep[1 - parity::2] = False
+    return record["features"][keep]
+
+
+def summarise(raw: dict[str, dict], real: np.ndarray) -> dict[str, dict]:
     """Per-variant figures, each SJD variant against window 0 of the same run: forwards saved, time speedup
-    (per-image pairs, median and IQR), accuracy difference in points with its standard error."""
+    (per-image pairs, median and IQR), accuracy difference in points with its standard error, and the distribution-level
+    scores: Fréchet distance to the held-out `real` features, per-caption diversity, and the Fréchet distance between
+    this variant's odd-seed half and plain's even-seed half (for plain itself: its two halves, the noise floor)."""
     plain = raw["window0"]
     figures: dict[str, dict] = {}
     for name, record in raw.items():
         n = len(record["forwards"])
         accuracy = float(np.mean(record["correct"]))
+        complete = record["complete"]
+        features = record["features"][complete]
         row = {
             "images": n,
             "forwards_per_image": float(np.mean(record["forwards"])),
@@ -170,10 +192,17 @@ def summarise(raw: dict[str, dict]) -> dict[str, dict]:
             "cpu_seconds_per_image": float(np.mean(record["cpu_s"])),
             "accuracy": accuracy,
             "complete_fraction": float(np.mean(record["complete"])),
+            "frechet_distance_to_real": frechet_distance(features, real),
+            "diversity": per_group_diversity(features, record["targets"][complete]),
+            # disjoint seeds on the two sides, equal sizes: equal in expectation to plain's halves when SJD keeps the
+            # distribution, larger when it does not
+            "frechet_distance_to_plain_half": frechet_distance(_halves(record, 1), _halves(plain, 0)),
         }
         if name != "window0":
             plain_accuracy = float(np.mean(plain["correct"]))
-            spread = math.sqrt(accuracy * (1 - accuracy) / n + plain_accuracy * (1 - plain_accuracy) / n)
+            # the same prompts and seeds on both sides: the standard error of the per-image differences (paired)
+            differences = record["correct"].astype(float) - plain["correct"].astype(float)
+            spread = float(np.std(differences, ddof=1) / math.sqrt(n)) if n > 1 else float("nan")
             row.update({
                 "forwards_speedup_vs_plain": float(np.sum(plain["forwards"]) / np.sum(record["forwards"])),
                 "time_speedup_vs_plain": paired_result(record["wall_s"], plain["wall_s"]).as_dict(),
@@ -188,7 +217,8 @@ def summarise(raw: dict[str, dict]) -> dict[str, dict]:
 def format_table(figures: dict[str, dict[str, dict]], sampling: dict[str, dict]) -> str:
     """A plain-text table of every setting and window; ratios are plain ÷ SJD (> 1: SJD does better)."""
     header = (f"{'setting':<34} {'window':>18} {'fwd/img':>8} {'codes/fwd':>9} {'s/img':>8} {'fwd ratio':>9} "
-              f"{'time ratio (IQR)':>20} {'accuracy':>8} {'Δacc pts (±se)':>15}")
+              f"{'time ratio (IQR)':>20} {'accuracy':>8} {'Δacc pts (±se)':>15} {'FD real':>8} {'FD halves':>9} "
+              f"{'diversity':>9}")
     lines = [header, "-" * len(header)]
     for name, windows in figures.items():
         label = f"{name} (T {sampling[name]['temperature']:g}, cfg {sampling[name]['cfg_scale']:g})"
@@ -202,12 +232,14 @@ def format_table(figures: dict[str, dict[str, dict]], sampling: dict[str, dict])
                 diff = f"{row['accuracy_diff_points']:+.1f} (±{row['accuracy_diff_se_points']:.1f})"
             lines.append(f"{label:<34} {key.removeprefix('window'):>18} {row['forwards_per_image']:>8.2f} "
                          f"{row['codes_per_forward']:>9.2f} {row['seconds_per_image']:>8.4f} {ratio:>9} "
-                         f"{time_ratio:>20} {row['accuracy']:>8.3f} {diff:>15}")
+                         f"{time_ratio:>20} {row['accuracy']:>8.3f} {diff:>15} {row['frechet_distance_to_real']:>8.2f} "
+                         f"{row['frechet_distance_to_plain_half']:>9.2f} {row['diversity']:>9.2f}")
     return "\n".join(lines)
 
 
 def run(smoke: bool = False, run_dir: str | os.PathLike | None = None, results_dir: str | os.PathLike | None = None,
-        samples_per_digit: int | None = None, preset: str = "full", threads: int = 1) -> dict:
+        samples_per_digit: int | None = None, preset: str = "full", threads: int = 1, seed: int | None = None,
+        settings: list[str] | None = None, variants: list[str] | None = None) -> dict:
     """Measure every setting and window on a finished demo run (smoke: a tiny untrained one built in a temp dir),
     print the table, write `<results dir>/speculative.json`, return the payload."""
     per_digit = samples_per_digit or (SMOKE_SAMPLES_PER_DIGIT if smoke else FULL_SAMPLES_PER_DIGIT)
@@ -221,17 +253,21 @@ def run(smoke: bool = False, run_dir: str | os.PathLike | None = None, results_d
             else:
                 directory = Path(run_dir or os.environ.get(RUN_DIR_ENV) or DEFAULT_RUN_DIR)
             model, vocab, image_tokenizer, classifier = load_run(directory)
+            real = real_features(classifier, demo, image_tokenizer.config.image_size)
             recorded = read_marker(directory, "generate") or {}  # the demo's own evaluation (a batch, one seed)
             measured = settings_to_measure(demo.generate)
+            measured = {name: measured[name] for name in settings or measured}
+            chosen = {name: VARIANTS[name] for name in ["window0", *(variants or VARIANTS)] if name in VARIANTS}
+            first_seed = demo.seed if seed is None else seed
             figures = {}
             for name, settings in measured.items():
-                raw = measure_setting(model, vocab, image_tokenizer, classifier, settings, seed=demo.seed,
-                                      samples_per_digit=per_digit)
-                figures[name] = summarise(raw)
+                raw = measure_setting(model, vocab, image_tokenizer, classifier, settings, seed=first_seed,
+                                      samples_per_digit=per_digit, variants=chosen)
+                figures[name] = summarise(raw, real)
     finally:
         torch.set_num_threads(previous_threads)
     sampling = {name: {k: getattr(s, k) for k in ("temperature", "top_k", "cfg_scale")} for name, s in measured.items()}
-    if recorded.get("sampling") not in (None, sampling["demo_settings"]):
+    if "demo_settings" in sampling and recorded.get("sampling") not in (None, sampling["demo_settings"]):
         print(f"bench_speculative: note: {directory} generated with {recorded['sampling']}, but the {preset} config "
               f"says {sampling['demo_settings']}; pass --preset to match", file=sys.stderr)
     print(format_table(figures, sampling))
@@ -239,18 +275,25 @@ def run(smoke: bool = False, run_dir: str | os.PathLike | None = None, results_d
         "figures": figures,
         "config": {
             "run_dir": "built in a temp dir (smoke: untrained tiny model)" if smoke else str(directory),
-            "demo_config": demo.source, "sampling": sampling, "windows": list(WINDOWS),
-            "variants": {name: {"window": w, "coupled_drafts": c} for name, (w, c) in VARIANTS.items()},
+            "demo_config": demo.source, "sampling": sampling, "windows": sorted({window for window, _ in chosen.values()}),
+            "variants": {name: {"window": w, "coupled_drafts": c} for name, (w, c) in chosen.items()},
             "coupled_drafts": "the sampler keeps an old draft with probability min(1, q_new/q_old), else draws from "
                               "max(0, q_new - q_old) (MC-SJD); _independent redraws every draft from q_new (SJD)",
             "images_per_window": 10 * per_digit, "samples_per_digit": per_digit, "batch": 1,
             "image_grid": list(image_tokenizer.grid_shape), "parameters": sum(p.numel() for p in model.parameters()),
             "demo_recorded_generation_accuracy": recorded.get("generation_accuracy"), "threads": threads,
-            "seeds": f"demo seed + image index ({demo.seed} + 0..{10 * per_digit - 1}), the same for every window",
+            "seeds": f"first seed + image index ({first_seed} + 0..{10 * per_digit - 1}; the demo's seed unless "
+                     "--seed), the same for every window",
             "timing": "windows take turns image by image, the order rotating (harness.time_rounds); ratios are "
                       "plain ÷ SJD, > 1 means SJD needs fewer forwards / less time",
             "codes_per_forward": "image codes ÷ every forward of the call (prefill, <boi> and <eoi> steps included)",
-            "accuracy": "the demo classifier names the generated digit; an incomplete image counts as wrong",
+            "accuracy": "the demo classifier names the generated digit; an incomplete image counts as wrong; its "
+                        "difference's standard error is paired (the same seeds on both sides)",
+            "frechet_distance": "in the demo classifier's 128-d penultimate features, complete images only: "
+                                "_to_real against the demo's held-out real digits; _to_plain_half between this "
+                                "variant's odd-index seeds and plain's even-index ones (plain's own row: its two "
+                                "halves, the noise floor a distribution-preserving variant matches)",
+            "real_digits": len(real),
         },
     }
     write_result(NAME, payload, results_dir)
@@ -270,10 +313,17 @@ def main(argv: list[str] | None = None) -> int:
                              f"{SMOKE_SAMPLES_PER_DIGIT})")
     parser.add_argument("--preset", default="full", help="demo config whose generate settings to use (default full)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="first image's seed (default the demo's): rerun on fresh seeds to check a difference")
+    parser.add_argument("--settings", nargs="+", choices=["demo_settings", "temperature1_cfg1"], default=None,
+                        help="measure only these sampling settings (default both)")
+    parser.add_argument("--variants", nargs="+", choices=[name for name in VARIANTS if name != "window0"],
+                        default=None, help="measure only these SJD variants against window0 (default all)")
     args = parser.parse_args(argv)
     try:
         run(smoke=args.smoke, run_dir=args.run_dir, results_dir=args.results_dir,
-            samples_per_digit=args.samples_per_digit, preset=args.preset, threads=args.threads)
+            samples_per_digit=args.samples_per_digit, preset=args.preset, threads=args.threads, seed=args.seed,
+            settings=args.settings, variants=args.variants)
     except FileNotFoundError as error:
         print(f"bench_speculative: {error}", file=sys.stderr)
         return 2

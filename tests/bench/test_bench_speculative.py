@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -43,6 +44,34 @@ def test_smoke_mode_counts_forwards_and_compares_every_window_with_plain(results
             assert timed["pairs"] == plain["images"] and timed["speedup_median"] > 0
             assert sjd["accuracy_diff_points"] == pytest.approx(100 * (sjd["accuracy"] - plain["accuracy"]))
             assert 0 <= sjd["accuracy"] <= 1 and sjd["complete_fraction"] == 1.0
+            assert sjd["accuracy_diff_se_points"] >= 0
+        for row in windows.values():  # the distribution-level scores exist for every variant, plain included
+            assert row["frechet_distance_to_real"] >= 0 and row["frechet_distance_to_plain_half"] >= 0
+            assert row["diversity"] > 0
+    assert body["config"]["real_digits"] > 0
+
+
+def _record(features, correct):
+    n = len(correct)
+    return {"forwards": [16] * n, "image_codes": [16] * n, "wall_s": [0.01] * n, "cpu_s": [0.01] * n,
+            "correct": np.array(correct), "complete": np.ones(n, dtype=bool), "features": features,
+            "targets": np.arange(n) % 10}
+
+
+def test_an_unchanged_distribution_matches_the_floor_and_a_shifted_one_does_not():
+    rng = np.random.default_rng(0)
+    real, plain = rng.normal(size=(400, 4)), rng.normal(size=(400, 4))
+    correct = rng.random(400) < 0.8
+    same = bench_speculative.summarise({"window0": _record(plain, correct), "window4": _record(plain, correct)}, real)
+    floor = same["window0"]["frechet_distance_to_plain_half"]
+    assert same["window4"]["frechet_distance_to_plain_half"] == pytest.approx(floor)
+    assert same["window4"]["accuracy_diff_points"] == 0 and same["window4"]["accuracy_diff_se_points"] == 0
+    shifted = bench_speculative.summarise(
+        {"window0": _record(plain, correct), "window4": _record(rng.normal(size=(400, 4)) + 0.5, ~correct)}, real)
+    assert shifted["window4"]["frechet_distance_to_plain_half"] > floor + 0.5
+    assert shifted["window4"]["frechet_distance_to_real"] > shifted["window0"]["frechet_distance_to_real"] + 0.5
+    # every image flips: the paired standard error of the difference is that of a +-1 variable
+    assert shifted["window4"]["accuracy_diff_se_points"] > 0
 
 
 def test_missing_run_dir_says_to_run_the_demo_first(tmp_path, results_dir):
@@ -50,3 +79,12 @@ def test_missing_run_dir_says_to_run_the_demo_first(tmp_path, results_dir):
         bench_speculative.run(run_dir=tmp_path / "no-demo-here")
     assert bench_speculative.main(["--run-dir", str(tmp_path / "no-demo-here")]) == 2
     assert not (results_dir / "speculative.json").exists()
+
+
+def test_a_difference_can_be_rechecked_on_fresh_seeds_for_one_setting_and_variant(results_dir):
+    assert bench_speculative.main(["--smoke", "--settings", "temperature1_cfg1", "--variants", "window4",
+                                   "--seed", "5000"]) == 0
+    body = json.loads((results_dir / "speculative.json").read_text())
+    assert set(body["figures"]) == {"temperature1_cfg1"}
+    assert set(body["figures"]["temperature1_cfg1"]) == {"window0", "window4"}
+    assert body["config"]["windows"] == [0, 4] and body["config"]["seeds"].startswith("first seed + image index (5000")
