@@ -41,9 +41,10 @@ SAMPLING_HELP: dict[str, str] = {
     "use_kv_cache": "recompute the whole sequence each step (slow; for checks)",
     "speculative_window": "speculative Jacobi decoding inside images: N >= 2 drafted codes checked per forward pass, "
                           "the same distribution in fewer passes (greedy: the same tokens); combines with "
-                          "--compile; 0 = off",
+                          "--compile; 0 = off (window 8 made 1.56x fewer passes per image on the demo's model, "
+                          "but no CPU time was saved)",
     "compile": "torch.compile the decode step (on CUDA as a CUDA graph): the same tokens, faster steps after a "
-               "one-off compile (9-21 s on 2 CPU cores); pays off after several thousand tokens per prompt shape",
+               "one-off compile (9-26 s on 2 CPU cores); pays off after several thousand tokens per prompt shape",
 }
 # Where a field's option differs from the generated `--field-name` / `--no-field-name` (kept for compatibility).
 FLAG_NAMES = {"stop_at_eos": "--no-eos-stop", "use_kv_cache": "--no-kv-cache"}
@@ -206,7 +207,7 @@ def run(args: argparse.Namespace) -> dict[str, Path]:
 
         image_tokenizer = ImageTokenizer.from_pretrained(args.image_tokenizer, map_location=args.device)
     if config.compile:  # otherwise the first batch is silent for the length of the compile
-        print("generate: compiling the decode step (once per batch shape and settings; 9-21 s on 2 CPU cores)",
+        print("generate: compiling the decode step (once per batch shape and settings; 9-26 s on 2 CPU cores)",
               flush=True)
     samples, ids = [], []
     for k, start in enumerate(range(0, len(prompts), args.batch_size)):
