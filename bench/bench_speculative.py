@@ -147,11 +147,11 @@ def measure_setting(model, vocab, image_tokenizer, classifier, settings: Generat
         record["wall_s"] = wall[name]
         codes, complete = _image_codes(vocab, record["new_ids"], grid)
         with torch.inference_mode():
-            predicted = classifier.predict(image_tokenizer.decode(codes)).numpy()
+            images = image_tokenizer.decode(codes)
+            predicted = classifier.predict(images).numpy()
+            record["features"] = classifier.penultimate_features(images).numpy()
         record["correct"] = (predicted == targets) & complete.numpy()
         record["complete"] = complete.numpy()
-        with torch.inference_mode():
-            record["features"] = classifier.penultimate_features(image_tokenizer.decode(codes)).numpy()
         record["targets"] = targets
     return raw
 
@@ -257,11 +257,11 @@ def run(smoke: bool = False, run_dir: str | os.PathLike | None = None, results_d
             recorded = read_marker(directory, "generate") or {}  # the demo's own evaluation (a batch, one seed)
             measured = settings_to_measure(demo.generate)
             measured = {name: measured[name] for name in settings or measured}
-            chosen = {name: VARIANTS[name] for name in ["window0", *(variants or VARIANTS)] if name in VARIANTS}
+            chosen = {name: VARIANTS[name] for name in dict.fromkeys(["window0", *(variants or VARIANTS)])}
             first_seed = demo.seed if seed is None else seed
             figures = {}
-            for name, settings in measured.items():
-                raw = measure_setting(model, vocab, image_tokenizer, classifier, settings, seed=first_seed,
+            for name, sampling_settings in measured.items():
+                raw = measure_setting(model, vocab, image_tokenizer, classifier, sampling_settings, seed=first_seed,
                                       samples_per_digit=per_digit, variants=chosen)
                 figures[name] = summarise(raw, real)
     finally:
