@@ -136,7 +136,14 @@ def measure_setting(model, vocab, image_tokenizer, classifier, settings: Generat
             record["new_ids"].append(new_ids)
             record["forwards"].append(stats["forwards"])
             record["image_codes"].append(stats["image_tokens"])
+            done = len(record["new_ids"])
+            if name == progress_variant and (done % progress_every == 0 or done == len(prompts)):
+                # minutes of work on one thread: a line every tenth, so a log shows the run is alive
+                print(f"bench_speculative: T {settings.temperature:g}, cfg {settings.cfg_scale:g}: {done}/{len(prompts)}"
+                      f" images for each of {len(variants)} variants", file=sys.stderr, flush=True)
         return generate_next
+
+    progress_variant, progress_every = next(iter(variants)), max(1, len(prompts) // 10)
 
     for name in variants:  # warm-up, on a seed no timed image uses
         sample(name, len(prompts))
