@@ -22,11 +22,11 @@ import torch
 from bench.harness import paired_result, time_rounds, write_result
 from fusion_model import sampling
 from fusion_model.demo.bookkeeping import read_marker
-from fusion_model.demo.datasets import caption_prompt, load_digits, to_model_images
+from fusion_model.demo.datasets import caption_prompt, to_model_images
 from fusion_model.demo.evaluate import _image_codes, image_sampling
 from fusion_model.demo.metrics import frechet_distance, per_group_diversity
 from fusion_model.demo.settings import GenerateSettings, load_config
-from fusion_model.demo.stages import load_decoder, load_image_tokenizer, load_vocab
+from fusion_model.demo.stages import digits_for, load_decoder, load_image_tokenizer, load_vocab
 from fusion_model.sampling import generate_ids
 
 NAME = "speculative"
@@ -36,6 +36,7 @@ RUN_DIR_ENV = "BENCH_DEMO_RUN_DIR"  # lets `python -m bench speculative` measure
 # name -> (window, drafts coupled across forwards); window 0 is the plain sampler every other variant is compared with
 VARIANTS = {"window0": (0, True), "window4": (4, True), "window8": (8, True),
             "window4_independent": (4, False), "window8_independent": (8, False)}
+SETTINGS = ("demo_settings", "temperature1_cfg1")  # the names settings_to_measure gives its two sampling settings
 # 10 digits x 100 = 1,000 images per window and setting: a standard error of about 1.3 points on an accuracy
 # near 80% (1.8 on a difference); 6 x 1,000 images take about 5 minutes on one thread of an idle CPU
 FULL_SAMPLES_PER_DIGIT = 100
@@ -96,7 +97,7 @@ def build_smoke_run(directory: Path) -> Path:
 def settings_to_measure(demo: GenerateSettings) -> dict[str, GenerateSettings]:
     """The demo's own sampling settings, and the same with temperature 1 and no guidance (top-k kept)."""
     plain = dataclasses.replace(demo, temperature=1.0, cfg_scale=1.0)
-    return {"demo_settings": demo, "temperature1_cfg1": plain}
+    return dict(zip(SETTINGS, (demo, plain)))
 
 
 def _independent_drafts(new_q, old_drafts, old_q, has_old, uniform, race):
@@ -165,9 +166,8 @@ def measure_setting(model, vocab, image_tokenizer, classifier, settings: Generat
 
 def real_features(classifier, demo, image_size: int) -> np.ndarray:
     """The classifier's penultimate features of the demo's held-out real digits (never seen in training)."""
-    digits = load_digits(held_out=demo.data.held_out, limit=demo.data.train_limit, seed=demo.seed)
     with torch.inference_mode():
-        return classifier.penultimate_features(to_model_images(digits.test_images, image_size)).numpy()
+        return classifier.penultimate_features(to_model_images(digits_for(demo).test_images, image_size)).numpy()
 
 
 def _halves(record: dict, parity: int) -> np.ndarray:
@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--seed", type=int, default=None,
                         help="first image's seed (default the demo's): rerun on fresh seeds to check a difference")
-    parser.add_argument("--settings", nargs="+", choices=["demo_settings", "temperature1_cfg1"], default=None,
+    parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=None,
                         help="measure only these sampling settings (default both)")
     parser.add_argument("--variants", nargs="+", choices=[name for name in VARIANTS if name != "window0"],
                         default=None, help="measure only these SJD variants against window0 (default all)")
