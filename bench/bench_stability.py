@@ -29,6 +29,7 @@ import torch
 
 from bench.harness import resolve_results_dir, write_result
 from tokenizer.files import atomic_path, atomic_write_text
+from tokenizer.layout import image_code_mask
 
 NAME = "stability"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -159,7 +160,7 @@ def build_data(train_batches: int, batch_size: int, seq_len: int, seed: int, ver
     held_out = pack(documents(vocab, verses[split:], images, np.random.default_rng(seed + 2)), held_out_batches,
                     batch_size, seq_len)
     targets = torch.cat([b["input_ids"][:, 1:].reshape(-1) for b in held_out])
-    is_image = (targets >= vocab.image_offset) & (targets < vocab.image_offset + vocab.image_codes)
+    is_image = image_code_mask(targets, vocab.image_offset, vocab.image_codes)
     return MixedData(vocab.vocab_size, vocab.image_offset, vocab.image_codes, vocab.boi_id, vocab.eoi_id, train, held_out,
                      float(is_image.float().mean()))
 

@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from data_shards.raw import ShardError
 from data_shards.token_shards import TokenShard, read_manifest
+from tokenizer.layout import image_code_mask
 
 
 def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
@@ -360,7 +361,7 @@ class PackedTokenStream(IterableDataset):
                 document_ids[i, cursor : cursor + length] = doc
                 position_ids[i, cursor : cursor + length] = np.arange(length)
                 if features is not None:
-                    at = np.flatnonzero((chunk >= image_offset) & (chunk < image_offset + image_codes))
+                    at = np.flatnonzero(image_code_mask(chunk, image_offset, image_codes))
                     features[i, cursor + at] = shard.image_features(start, start + length, image_offset, image_codes)
                 cursor += length
         batch = {

@@ -18,6 +18,7 @@ import numpy as np
 
 from data_shards.raw import ShardError
 from tokenizer.files import atomic_write_bytes, atomic_write_json
+from tokenizer.layout import image_code_mask
 
 TOKEN_FORMAT = "early-fusion-tokens/1"
 MANIFEST = "manifest.json"
@@ -278,7 +279,7 @@ class TokenShard:
                 self._features = np.load(self.path(FEATURES_FILE), mmap_mode="r", allow_pickle=False)
             except Exception as err:  # noqa: BLE001 - a damaged .npy header surfaces as almost anything
                 raise ShardError(f"shard {self.name}: unreadable {self.path(FEATURES_FILE)} ({err}); {_REMEDY}") from err
-            is_code = (self.ids >= image_offset) & (self.ids < image_offset + image_codes)
+            is_code = image_code_mask(self.ids, image_offset, image_codes)
             # rows before each document: a piece then needs only a count within its own document
             self._feature_start = np.concatenate([[0], np.cumsum(is_code, dtype=np.int64)])[self.offsets]
             if self._feature_start[-1] != len(self._features):
@@ -288,7 +289,7 @@ class TokenShard:
         document = int(np.searchsorted(self.offsets, start, side="right") - 1)
         doc_start = int(self.offsets[document])
         ids = self.ids[doc_start:stop]
-        is_code = (ids >= image_offset) & (ids < image_offset + image_codes)
+        is_code = image_code_mask(ids, image_offset, image_codes)
         first = int(self._feature_start[document]) + int(is_code[: start - doc_start].sum())
         return self._features[first : first + int(is_code[start - doc_start :].sum())]
 

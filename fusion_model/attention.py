@@ -7,6 +7,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from tokenizer.layout import image_code_mask
+
 
 def positions_from_documents(
     document_ids: torch.Tensor, start: torch.Tensor | None = None, start_document: torch.Tensor | None = None
@@ -30,7 +32,7 @@ def positions_from_documents(
 
 def image_runs(input_ids: torch.Tensor, image_offset: int, image_codes: int) -> torch.Tensor:
     """Id of the contiguous run of image tokens each token belongs to (-1 for non-image tokens)."""
-    is_image = (input_ids >= image_offset) & (input_ids < image_offset + image_codes)
+    is_image = image_code_mask(input_ids, image_offset, image_codes)
     starts = is_image.clone()
     starts[:, 1:] &= ~is_image[:, :-1]
     return torch.where(is_image, starts.long().cumsum(dim=1), torch.full_like(input_ids, -1))

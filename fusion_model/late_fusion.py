@@ -12,6 +12,7 @@ from torch import nn
 
 from fusion_model.model import FusionModel
 from tokenizer.image.image_tokenizer import ImageTokenizer
+from tokenizer.layout import image_code_mask
 
 KINDS = ("llava", "qformer", "flamingo")
 IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index: image positions add no loss
@@ -472,7 +473,7 @@ def late_layout(input_ids: torch.Tensor, document_ids: torch.Tensor, image_featu
     """
     batch, length = input_ids.shape
     real = document_ids >= 0
-    is_code = (input_ids >= image_offset) & (input_ids < image_offset + image_codes) & real
+    is_code = image_code_mask(input_ids, image_offset, image_codes) & real
     continues = torch.zeros_like(is_code)
     continues[:, 1:] = is_code[:, :-1] & (document_ids[:, 1:] == document_ids[:, :-1])
     run_start = is_code & ~continues

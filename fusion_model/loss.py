@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from tokenizer.layout import image_code_mask
+
 
 def next_token_targets(input_ids: torch.Tensor, document_ids: torch.Tensor,
                        ignore_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -21,7 +23,7 @@ def target_weights(targets: torch.Tensor, image_offset: int | None, image_codes:
     if image_offset is None:
         is_image = torch.zeros_like(targets, dtype=torch.bool)
     else:
-        is_image = (targets >= image_offset) & (targets < image_offset + image_codes)
+        is_image = image_code_mask(targets, image_offset, image_codes)
     weights = torch.where(is_image, image_weight, text_weight).float()
     return is_image, weights
 

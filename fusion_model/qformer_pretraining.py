@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fusion_model.late_fusion import IGNORE_INDEX, QFormer
+from tokenizer.layout import image_code_mask
 
 CLS, DEC = 0, 1  # rows of QFormerPretrainer.start_tokens: the text's first position for ITC/ITM, and for ITG
 TEMPERATURE_RANGE = (0.001, 0.5)  # BLIP-2 clamps its learnable temperature to this range
@@ -249,7 +250,7 @@ def caption_pairs(input_ids: torch.Tensor, document_ids: torch.Tensor, image_fea
                 continue
             where = document_ids[row] == document
             ids = input_ids[row, where]
-            is_code = (ids >= image_offset) & (ids < image_offset + image_codes)
+            is_code = image_code_mask(ids, image_offset, image_codes)
             at = is_code.nonzero().squeeze(1)
             if at.numel() == 0 or int(at[-1] - at[0]) + 1 != at.numel():
                 continue  # no image, or several: not a pair

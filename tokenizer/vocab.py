@@ -27,6 +27,7 @@ from tokenizer.bpe import (
     train_bpe,
 )
 from tokenizer.files import atomic_path
+from tokenizer.layout import image_code_mask
 from tokenizer.specials import (  # noqa: F401 - part of this module's interface
     BOI,
     BOS,
@@ -325,7 +326,7 @@ class UnifiedVocab:
     def is_image(self, ids: torch.Tensor) -> torch.Tensor:
         """Boolean mask of image-code ids, any shape."""
         ids = torch.as_tensor(ids)
-        return (ids >= self.layout.image_offset) & (ids < self.layout.text_offset)
+        return image_code_mask(ids, self.layout.image_offset, self.layout.image_codes)
 
     def is_special(self, ids: torch.Tensor) -> torch.Tensor:
         """Boolean mask of everything else: specials, reserved filler (and out-of-range ids)."""

@@ -28,6 +28,7 @@ from fusion_model.demo.settings import FIT_CONFIG, DemoConfig, load_config
 from fusion_model.demo.stages import digits_for, load_image_tokenizer, load_vocab
 from fusion_model.late_fusion import LateFusionConfig, LateFusionModel, late_layout
 from tokenizer.files import atomic_write_json, atomic_write_text
+from tokenizer.layout import image_code_mask
 
 # the models compared: early fusion from scratch (as the demo), with its loss on text only (LLaVA's objective: the
 # images are read, never predicted), and from the blind language model the late-fusion recipes start from (the same
@@ -125,7 +126,7 @@ def prompts_with_features(vocab, segments: list[list], features: list[list[torch
         raise ValueError("greedy_captions batches equal-length prompts; these differ")
     ids = torch.tensor(rows)
     per_position = torch.zeros(*ids.shape, feature_dim)
-    is_code = (ids >= vocab.image_offset) & (ids < vocab.image_offset + vocab.image_codes)
+    is_code = image_code_mask(ids, vocab.image_offset, vocab.image_codes)
     for i, grids in enumerate(features):
         if grids:
             per_position[i, is_code[i]] = torch.cat(grids).float()
