@@ -336,8 +336,15 @@ class FusionModel(nn.Module):
             return None
         return attn_lib.image_runs(input_ids, self.config.image_offset, self.config.image_codes)
 
-    def _context(self, input_ids, document_ids, position_ids, kv_cache):
-        """Resolve document/position ids and build the attention mask for this forward."""
+    def attention_context(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None,
+                          position_ids: torch.Tensor | None, kv_cache: KVCache | None
+                          ) -> tuple[AttentionContext, torch.Tensor]:
+        """What every block of one forward reads: (the AttentionContext: backend, mask, cache; the position ids).
+
+        Resolves the defaults forward_hidden documents (document ids: one document per row; positions: restarted
+        per document, or continued from the cache) and builds the mask. Code that runs the blocks itself (the
+        stability monitor, to see each block's output without a hook) calls it to run them as the forward does.
+        """
         batch, length = input_ids.shape
         device = input_ids.device
         explicit_docs = document_ids is not None
@@ -394,7 +401,7 @@ class FusionModel(nn.Module):
         if inputs_embeds is not None and inputs_embeds.shape != (*input_ids.shape, self.config.dim):
             raise ValueError(f"FusionModel: inputs_embeds must be {(*input_ids.shape, self.config.dim)} (input_ids' "
                              f"shape by dim), got {tuple(inputs_embeds.shape)}")
-        ctx, position_ids = self._context(input_ids, document_ids, position_ids, kv_cache)
+        ctx, position_ids = self.attention_context(input_ids, document_ids, position_ids, kv_cache)
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
         for index, block in enumerate(self.layers):

@@ -203,7 +203,7 @@ class StabilityMonitor(L.Callback):
             model.eval()
             if callable(unshard):
                 unshard()
-            ctx, position_ids = model._context(input_ids, document_ids, batch.get("position_ids"), None)
+            ctx, position_ids = model.attention_context(input_ids, document_ids, batch.get("position_ids"), None)
             x = model.embed(input_ids)
             cos, sin = rope_cos_sin(position_ids, config.head_dim, config.rope_theta, x.dtype)
             for layer, block in enumerate(model.layers):

@@ -138,7 +138,7 @@ def test_attention_logits_and_block_norms_equal_a_computation_by_hand(qk_norm, n
     model.eval()  # the monitor measures without dropout
     positions = torch.cat([torch.arange(14), torch.arange(12), torch.arange(6)]).expand(2, 32)
     cos, sin = rope_cos_sin(positions, model.config.head_dim, model.config.rope_theta, torch.float32)
-    ctx, _ = model._context(ids, docs, None, None)
+    ctx, _ = model.attention_context(ids, docs, None, None)
     x = model.embed(ids)
     real = docs >= 0
     maxima = []
