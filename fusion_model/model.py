@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fusion_model import attention as attn_lib
+from fusion_model import roles
 from fusion_model.config import FusionConfig
 from fusion_model.loss import fusion_loss_from_hidden
 
@@ -43,10 +44,16 @@ class _RMSNorm(torch.autograd.Function):
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 (as transformers' Chameleon), weight applied in the input dtype."""
 
+    PARAMETER_ROLES = {"weight": roles.NORM}
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        """The identity: gain 1."""
+        nn.init.ones_(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Normalise the last dimension."""
@@ -60,10 +67,18 @@ class RMSNorm(nn.Module):
 class QKNorm(nn.Module):
     """Chameleon's QK-norm: LayerNorm over head_dim without affine, then a per-head weight and bias."""
 
+    # the weight is (heads, head_dim): a gain per head, not a matrix, whatever its shape
+    PARAMETER_ROLES = {"weight": roles.NORM, "bias": roles.NORM}
+
     def __init__(self, heads: int, head_dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(heads, head_dim))
         self.bias = nn.Parameter(torch.zeros(heads, head_dim))
+
+    def reset_parameters(self) -> None:
+        """The plain LayerNorm: gain 1, bias 0."""
+        nn.init.ones_(self.weight)
+        nn.init.zeros_(self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, T, heads, head_dim)."""
@@ -226,6 +241,8 @@ class KVCache:
 class Attention(nn.Module):
     """Multi-head (optionally grouped-query) self-attention with QK-norm before RoPE; fused QKV projection."""
 
+    PARAMETER_ROLES = {"qkv.weight": roles.ATTENTION, "out.weight": roles.ATTENTION_OUTPUT}
+
     def __init__(self, config: FusionConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
@@ -263,6 +280,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU feed-forward down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
 
+    PARAMETER_ROLES = {"gate_up.weight": roles.MLP, "down.weight": roles.MLP_OUTPUT}
+
     def __init__(self, config: FusionConfig) -> None:
         super().__init__()
         self.gate_up = nn.Linear(config.dim, 2 * config.hidden_dim, bias=False)
@@ -297,6 +316,8 @@ class Block(nn.Module):
 class FusionModel(nn.Module):
     """Decoder-only transformer over the unified text+image vocabulary (untied embedding and head)."""
 
+    PARAMETER_ROLES = {"embed.weight": roles.EMBEDDING, "head.weight": roles.OUTPUT_HEAD}
+
     def __init__(self, config: FusionConfig) -> None:
         super().__init__()
         self.config = config
@@ -307,19 +328,17 @@ class FusionModel(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Normal(0, init_std) for matrices; output projections scaled by 1/sqrt(2 L) (GPT-2)."""
+        """Normal(0, init_std) for matrices; the residual-output projections' scaled by 1/sqrt(2 L) (GPT-2); norms
+        to the identity. Roles as the modules declare them (`fusion_model.roles`)."""
         std = self.config.init_std
-        for name, p in self.named_parameters():
-            if p.dim() < 2 or "norm" in name:
+        for _, p, role in roles.parameter_roles(self):  # in parameter order: the random draws stay in that order
+            if p.dim() < 2 or role == roles.NORM:
                 continue
-            scale = (2 * self.config.n_layers) ** -0.5 if name.endswith(("out.weight", "down.weight")) else 1.0
+            scale = (2 * self.config.n_layers) ** -0.5 if role in roles.RESIDUAL_OUTPUTS else 1.0
             nn.init.normal_(p, mean=0.0, std=std * scale)
         for module in self.modules():
-            if isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
-            elif isinstance(module, QKNorm):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
+            if isinstance(module, (RMSNorm, QKNorm)):
+                module.reset_parameters()
 
     # ---- attention bookkeeping ------------------------------------------------------------------
     def _backend(self, device: torch.device, cached: bool) -> str:

@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from fusion_model import attention as attn_lib
+from fusion_model import roles
 from fusion_model.loss import next_token_targets, target_weights
 from fusion_model.model import FusionModel, rope_cos_sin
 
@@ -30,19 +31,16 @@ CHUNK_ELEMENTS = 1 << 24
 COUNT = "targets"  # per-modality target counts: combine means over ranks, never logged
 
 
-def parameter_group(name: str) -> str:
-    """Group of a FusionModel parameter by its name: embeddings, attention, mlp, norms (RMSNorm, QK-norm), output_head.
+# the group of each role (`fusion_model.roles`): QK-norm's weights are norms, though they live inside attention
+GROUP_OF_ROLE = {roles.EMBEDDING: "embeddings", roles.ATTENTION: "attention", roles.ATTENTION_OUTPUT: "attention",
+                 roles.MLP: "mlp", roles.MLP_OUTPUT: "mlp", roles.NORM: "norms", roles.OUTPUT_HEAD: "output_head"}
 
-    Norms come first because QK-norm lives inside `attn`; a name matching no rule (a wrapper's extra parameter) is
-    "other".
-    """
-    parts = name.split(".")
-    if any("norm" in part for part in parts[:-1]):
-        return "norms"
-    for group, module in (("embeddings", "embed"), ("output_head", "head"), ("attention", "attn"), ("mlp", "mlp")):
-        if module in parts[:-1]:
-            return group
-    return "other"
+
+def parameter_groups(model: torch.nn.Module) -> dict[str, str]:
+    """{parameter name: group} of a FusionModel's parameters, from the roles its modules declare: embeddings,
+    attention, mlp, norms (RMSNorm, QK-norm), output_head; a parameter of no such role (a wrapper's extra one) is
+    "other"."""
+    return {name: GROUP_OF_ROLE.get(role, "other") for name, _, role in roles.parameter_roles(model)}
 
 
 def max_attention_logit(q: torch.Tensor, k: torch.Tensor, document_ids: torch.Tensor,
@@ -119,6 +117,7 @@ class StabilityMonitor(L.Callback):
         self._measured_step = -1
         self._before: list[torch.Tensor] | None = None
         self._raw_grad_sq: dict[str, torch.Tensor] = {}
+        self._groups: dict[str, str] = {}
         self._sharded = False
         self._observer = None
         self._attention_inputs: tuple[torch.Tensor, torch.Tensor | None] | None = None
@@ -149,8 +148,9 @@ class StabilityMonitor(L.Callback):
         if not self._due(trainer.global_step) or self._measured_step != trainer.global_step:
             return
         named = list(pl_module.model.named_parameters())
+        self._groups = parameter_groups(pl_module.model)
         self._raw_grad_sq, self._sharded = self._group_sums(
-            (name, p.grad.detach()) for name, p in named if p.grad is not None
+            ((name, p.grad.detach()) for name, p in named if p.grad is not None), self._groups
         )
         if self.update_ratio:
             self._before = [p.detach().clone() for _, p in named]
@@ -260,14 +260,15 @@ class StabilityMonitor(L.Callback):
 
     # ---- gradients and updates -------------------------------------------------------------------------
     @staticmethod
-    def _group_sums(named_tensors) -> tuple[dict[str, torch.Tensor], bool]:
-        """Sum of squares per parameter group of this rank's (part of the) tensors, and whether any is a shard."""
+    def _group_sums(named_tensors, groups: dict[str, str]) -> tuple[dict[str, torch.Tensor], bool]:
+        """Sum of squares per parameter group (`groups`: name -> group) of this rank's (part of the) tensors, and
+        whether any is a shard."""
         sums: dict[str, torch.Tensor] = {}
         sharded = False
         for name, tensor in named_tensors:
             local, is_shard = _local(tensor)
             sharded |= is_shard
-            group = parameter_group(name)
+            group = groups[name]
             square = local.float().pow(2).sum()
             sums[group] = sums[group] + square if group in sums else square
         return sums, sharded
@@ -281,8 +282,9 @@ class StabilityMonitor(L.Callback):
         named = list(pl_module.model.named_parameters())
         rows = [grad_sq]
         if self._before is not None:
-            weight_sq, _ = self._group_sums((name, old) for (name, _), old in zip(named, self._before))
-            update_sq, _ = self._group_sums((name, p.detach() - old) for (name, p), old in zip(named, self._before))
+            weight_sq, _ = self._group_sums(((name, old) for (name, _), old in zip(named, self._before)), self._groups)
+            update_sq, _ = self._group_sums(((name, p.detach() - old) for (name, p), old in zip(named, self._before)),
+                                            self._groups)
             zero = grad_sq.new_zeros(())
             rows += [torch.stack([weight_sq.get(g, zero) for g in groups]),
                      torch.stack([update_sq.get(g, zero) for g in groups])]

@@ -8,17 +8,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from fusion_model.roles import NORM, parameter_roles
+
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Split parameters into a decayed group (matrices: >= 2 dims) and a non-decayed one (norm weights, biases)."""
     decay, no_decay = [], []
-    for name, param in model.named_parameters():
+    for _, param, role in parameter_roles(model):
         if not param.requires_grad:
             continue
         # Embeddings and projections are matrices; norm gains and biases are not. QK-norm's per-head
-        # weight is (n_heads, head_dim) — a 2-D gain, not a projection — so norms are excluded by name too.
-        is_norm = any("norm" in part for part in name.split(".")[:-1])
-        (decay if param.ndim >= 2 and not is_norm else no_decay).append(param)
+        # weight is (n_heads, head_dim) — a 2-D gain, not a projection — so a norm's role excludes it too.
+        (decay if param.ndim >= 2 and role != NORM else no_decay).append(param)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -18,7 +18,7 @@ from fusion_model.training.monitors import (
     InstabilityWarning,
     StabilityMonitor,
     max_attention_logit,
-    parameter_group,
+    parameter_groups,
 )
 
 IMAGE_OFFSET, IMAGE_CODES = 16, 64
@@ -79,7 +79,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: one tor
 
 def test_every_parameter_falls_in_a_named_group():
     model = FusionModel(tiny_config())
-    groups = {name: parameter_group(name) for name, _ in model.named_parameters()}
+    groups = parameter_groups(model)
+    assert list(groups) == [name for name, _ in model.named_parameters()]
     assert set(groups.values()) == set(PARAMETER_GROUPS)
     assert groups["embed.weight"] == "embeddings" and groups["head.weight"] == "output_head"
     assert groups["layers.0.attn.qkv.weight"] == groups["layers.1.attn.out.weight"] == "attention"
@@ -196,10 +197,10 @@ def test_a_modality_without_targets_is_not_logged():
     assert all(math.isfinite(value) for value in monitor.latest.values())
 
 
-def group_norms(named: dict[str, torch.Tensor]) -> dict[str, float]:
+def group_norms(named: dict[str, torch.Tensor], groups: dict[str, str]) -> dict[str, float]:
     sums: dict[str, float] = {}
     for name, tensor in named.items():
-        group = parameter_group(name)
+        group = groups[name]
         sums[group] = sums.get(group, 0.0) + float(tensor.double().pow(2).sum())
     return {group: value**0.5 for group, value in sums.items()}
 
@@ -220,12 +221,13 @@ def test_gradient_norms_and_update_ratios_equal_a_direct_computation(accumulate)
     # the step's gradient is the one of the mean loss over all targets of its micro-batches
     whole = {key: torch.cat([b[key] for b in batches]) for key in batches[0]}
     reference.loss(whole["input_ids"], whole["document_ids"])["loss"].backward()
-    expected = group_norms({name: p.grad for name, p in reference.named_parameters()})
+    groups = parameter_groups(reference)
+    expected = group_norms({name: p.grad for name, p in reference.named_parameters()}, groups)
     for group, value in expected.items():
         assert monitor.latest[f"stability/grad_norm/{group}"] == pytest.approx(value, rel=1e-4), group
     after = {name: p.detach() for name, p in module.model.named_parameters()}
-    change = group_norms({name: after[name] - before[name] for name in before})
-    weight = group_norms(before)
+    change = group_norms({name: after[name] - before[name] for name in before}, groups)
+    weight = group_norms(before, groups)
     for group in PARAMETER_GROUPS:
         assert monitor.latest[f"stability/update_ratio/{group}"] == pytest.approx(change[group] / weight[group], rel=1e-4)
     assert logger.series("stability/grad_norm/mlp").keys() == logger.series("train/loss").keys() == {0}
