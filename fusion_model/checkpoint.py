@@ -21,12 +21,9 @@ def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu"
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is a directory without config.json; give a .ckpt file or a directory "
                                     "written by `train.py convert export`")
-        from transformers import ChameleonForConditionalGeneration
+        from fusion_model.hf_convert import from_transformers, load_transformers_folder
 
-        from fusion_model.hf_convert import from_transformers
-
-        hf_model = ChameleonForConditionalGeneration.from_pretrained(path, local_files_only=True, dtype=torch.float32)
-        return from_transformers(hf_model).to(map_location)
+        return from_transformers(load_transformers_folder(path)).to(map_location)
     checkpoint = load_checkpoint_file(path, map_location=map_location)
     config = (checkpoint.get("hyper_parameters") or {}).get("config")
     if not isinstance(config, dict) or "state_dict" not in checkpoint:

@@ -4,6 +4,7 @@ tokenizer and processor, so one `from_pretrained` loads an export that generates
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 import tempfile
 from pathlib import Path
@@ -297,6 +298,54 @@ def to_transformers(
     elif side.is_dir():  # a stale bundle from an earlier export into the same folder would mislead
         shutil.rmtree(side)
     return directory
+
+
+# What a folder that transformers cannot load raises from `from_pretrained`: a missing or unreadable file
+# (OSError), a bad config (ValueError, KeyError), a weights file that is not a plain tensor pickle (refused by
+# torch.load's weights_only: UnpicklingError) or is truncated (EOFError, RuntimeError, safetensors' error).
+LOAD_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, KeyError, EOFError, RuntimeError,
+                                                pickle.UnpicklingError)
+LOAD_FIX = ("give a folder written by `train.py convert export` or by transformers' save_pretrained, with config.json "
+            "(including vocabulary_map) and model.safetensors")
+
+
+def _one_line(error: BaseException) -> str:
+    """The first sentence of an error's first line (torch's and transformers' messages run to paragraphs)."""
+    line = next((part.strip() for part in str(error).splitlines() if part.strip()), type(error).__name__)
+    return line.split(". ")[0].rstrip(".")
+
+
+def _load_reason(path: Path, error: BaseException) -> str:
+    """Why transformers could not load a folder, in a few words."""
+    if isinstance(error, pickle.UnpicklingError):  # torch.load(weights_only=True) wraps the refusal in a paragraph
+        files = ", ".join(sorted(p.name for p in path.glob("*.bin"))) or "its weights file"
+        refusal = _one_line(error.__cause__ or error.__context__ or error)
+        return f"{files} is not a plain tensor pickle; torch.load(weights_only=True) refused it: {refusal}"
+    return f"{type(error).__name__}: {_one_line(error)}"
+
+
+def load_transformers_folder(path, output_loading_info: bool = False):
+    """ChameleonForConditionalGeneration (float32) from a local folder, plus transformers' loading info when asked;
+    a folder it cannot load raises ValueError with one line naming the folder and what to give instead."""
+    from safetensors import SafetensorError
+    from transformers import ChameleonForConditionalGeneration
+
+    path = Path(path)
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"{path}: transformers could not load this Chameleon folder (config.json: "
+                         f"{_one_line(error)}); {LOAD_FIX}") from error
+    if not isinstance(raw, dict) or not isinstance(raw.get("vocabulary_map"), dict):
+        raise ValueError(
+            f"{path}: config.json has no vocabulary_map (the token name -> id map transformers' Chameleon needs); "
+            f"{LOAD_FIX}")
+    try:
+        return ChameleonForConditionalGeneration.from_pretrained(
+            path, local_files_only=True, dtype=torch.float32, output_loading_info=output_loading_info)
+    except (*LOAD_ERRORS, SafetensorError) as error:
+        raise ValueError(f"{path}: transformers could not load this Chameleon folder ({_load_reason(path, error)}); "
+                         f"{LOAD_FIX}") from error
 
 
 def ours_size(config: FusionConfig, hf_name: str) -> int:

@@ -15,13 +15,11 @@ DTYPE_NAMES = ("bfloat16", "float32")
 
 def _load_hf(source: str):
     """(ChameleonForConditionalGeneration in float32, whether its VQ encoder weights were all in the folder)."""
-    import torch
-    from transformers import ChameleonForConditionalGeneration
+    from fusion_model.hf_convert import load_transformers_folder
 
     if not (Path(source) / "config.json").is_file():
         raise FileNotFoundError(f"{source} has no config.json: give `convert import` a local transformers Chameleon directory")
-    hf_model, info = ChameleonForConditionalGeneration.from_pretrained(
-        source, local_files_only=True, dtype=torch.float32, output_loading_info=True)
+    hf_model, info = load_transformers_folder(source, output_loading_info=True)
     return hf_model, not any("vqmodel" in key for key in info["missing_keys"])
 
 
