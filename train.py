@@ -2,7 +2,7 @@
 
 import sys
 
-from fusion_model.cli import main
+from fusion_model.demo.commands import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,4 +1,6 @@
-"""The layers import only downward: every import in every module (top-level or inside a function) is checked.
+"""The layers import only downward: every import in every module (top-level or inside a function) is checked, and so
+is every string that names a project module (`"fusion_model.cli.fit"`, `"data_shards.datamodule.FusionDataModule"`,
+`"pkg.module:function"`), as importlib, a command table or a class path would import it.
 
     tokenizer (vocabulary, image tokenizer, file rules, compatibility)      0
     data_shards (shards, stream, data module) | fusion_model model layer    1   (siblings: never import each other)
@@ -10,12 +12,16 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("tokenizer", "data_shards", "fusion_model")
+# a string that may name a project module, optionally with an attribute: `pkg.module`, `pkg.module.Class`,
+# `pkg.module:function`
+MODULE_STRING = re.compile(rf"^({'|'.join(PACKAGES)})(\.\w+)+(:\w+)?$")
 
 
 def layer_of(module: str) -> tuple[int, str]:
@@ -72,6 +78,23 @@ def project_imports(path: Path, root: Path = REPO) -> list[tuple[int, str]]:
     return found
 
 
+def named_modules(path: Path, root: Path = REPO) -> list[tuple[int, str]]:
+    """(line, module) for every string constant in the file that names a project module: the whole string (less a
+    `:attribute`) when it is a module, else the string less its last part (`module.Class`) when that is a module
+    below a top-level package (so a file name such as "tokenizer.json" names nothing)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if not (isinstance(node, ast.Constant) and isinstance(node.value, str) and MODULE_STRING.match(node.value)):
+            continue
+        dotted = node.value.split(":")[0]
+        parent = dotted.rsplit(".", 1)[0]
+        if _is_module(root, dotted):
+            found.append((node.lineno, dotted))
+        elif "." in parent and _is_module(root, parent):
+            found.append((node.lineno, parent))
+    return found
+
+
 def _is_module(root: Path, dotted: str) -> bool:
     path = root.joinpath(*dotted.split("."))
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
@@ -86,7 +109,7 @@ def test_every_import_goes_down_the_layers():
     problems = []
     for path in all_modules():
         importer = module_name(path)
-        for line, imported in project_imports(path):
+        for line, imported in project_imports(path) + named_modules(path):
             why = violation(importer, imported)
             if why:
                 problems.append(f"{path.relative_to(REPO)}:{line}: {why}")
@@ -119,7 +142,26 @@ def test_the_import_walker_sees_lazy_relative_and_package_imports(tmp_path):
     assert found == ["fusion_model.cli", "fusion_model.training.callbacks", "data_shards.stream"]
 
 
+def test_the_string_walker_sees_module_names_and_class_paths_but_not_file_names(tmp_path):
+    package = tmp_path / "fusion_model"
+    (package / "demo").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "demo" / "__init__.py").write_text("")
+    (package / "demo" / "pipeline.py").write_text("")
+    (package / "model.py").write_text("")
+    (package / "cli.py").write_text(
+        'TABLE = {"demo": ("fusion_model.demo.pipeline", "run it")}\n'
+        'def f():\n    return ["fusion_model.model.FusionModel", "fusion_model.demo:main", "fusion_model.demo.pipeline:run"]\n'
+        'FILES = ["tokenizer.json", "fusion_model.missing", "see fusion_model.demo", "fusion_model.demo.pipeline "]\n'
+    )
+    found = sorted(named_modules(package / "cli.py", root=tmp_path))
+    assert found == [(1, "fusion_model.demo.pipeline"), (3, "fusion_model.demo"), (3, "fusion_model.demo.pipeline"),
+                     (3, "fusion_model.model")]
+    assert violation("fusion_model.cli", found[0][1])  # a lower layer naming a higher one is caught
+
+
 def test_no_import_cycles_between_modules():
+    # imports only: a module named by a string is imported when it is used (importlib), not when its namer loads
     graph = {module_name(p): {name for _, name in project_imports(p)} for p in all_modules()}
     state: dict[str, int] = {}  # 1 = on the current path, 2 = done
     cycles = []

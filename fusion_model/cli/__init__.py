@@ -6,8 +6,10 @@ import argparse
 import importlib
 import sys
 
-# subcommand -> (module exposing `main(argv: list[str]) -> int | None`, one-line help).
-# Modules are imported only when their subcommand runs, so `--help` stays instant.
+# subcommand -> (module exposing `main(argv: list[str]) -> int | None`, one-line help): this layer's commands.
+# Modules are imported only when their subcommand runs, so `--help` stays instant. A higher layer adds its own
+# commands by passing a larger table to `main` (fusion_model.demo.commands adds `demo` and `experiment`), so that
+# no module here names one above it.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "vocab": ("fusion_model.cli.vocab", "train the BPE text vocabulary and merge it with the image codes"),
     "tokenizer": ("fusion_model.cli.tokenizer", "train / validate / export the VQ image tokenizer (LightningCLI)"),
@@ -15,9 +17,6 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "fit": ("fusion_model.cli.fit", "pretrain the fused decoder on token shards (LightningCLI)"),
     "generate": ("fusion_model.cli.generate", "sample mixed text-and-image sequences from a checkpoint"),
     "convert": ("fusion_model.cli.convert", "import from / export to transformers' Chameleon format"),
-    "demo": ("fusion_model.demo.pipeline", "run the end-to-end demo on built-in offline data, with a report"),
-    "experiment": ("fusion_model.demo.fusion_experiment",
-                   "compare early fusion with LLaVA / BLIP-2 / Flamingo connectors on the demo's data"),
 }
 
 # Bad input (a missing file, a wrong value, a mismatched vocabulary) exits 2 with one line naming what to change,
@@ -43,16 +42,17 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def usage() -> str:
-    """Return the top-level help text."""
-    width = max(len(name) for name in SUBCOMMANDS)
+def usage(commands: dict[str, tuple[str, str]] | None = None) -> str:
+    """Return the top-level help text listing `commands` (default: this layer's SUBCOMMANDS)."""
+    commands = SUBCOMMANDS if commands is None else commands
+    width = max(len(name) for name in commands)
     lines = [
         "usage: python train.py <command> [options]",
         "",
         "Early-fusion (Chameleon-style) multimodal training, one step per command:",
         "",
     ]
-    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in commands.items()]
     lines += [
         "",
         "Run `python train.py <command> --help` for the options of a command. The same things have the same",
@@ -79,17 +79,19 @@ def shared_flags_epilog(aliases: dict[str, str]) -> str:
     return f"Shared flags (the same in every train.py command): {pairs}."
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Dispatch to the subcommand's module; bad input becomes one line on stderr and exit code 2."""
+def main(argv: list[str] | None = None, commands: dict[str, tuple[str, str]] | None = None) -> int:
+    """Dispatch to the subcommand's module in `commands` (default: this layer's SUBCOMMANDS; the caller at the top
+    of the stack passes the full table); bad input becomes one line on stderr and exit code 2."""
+    commands = SUBCOMMANDS if commands is None else commands
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in {"-h", "--help", "help"}:
-        print(usage())
+        print(usage(commands))
         return 0
     name, rest = argv[0], argv[1:]
-    if name not in SUBCOMMANDS:
-        print(f"train.py: unknown command {name!r}; choose one of: {', '.join(SUBCOMMANDS)}", file=sys.stderr)
+    if name not in commands:
+        print(f"train.py: unknown command {name!r}; choose one of: {', '.join(commands)}", file=sys.stderr)
         return BAD_INPUT_EXIT
-    module = importlib.import_module(SUBCOMMANDS[name][0])
+    module = importlib.import_module(commands[name][0])
     try:
         code = module.main(rest)
     except BAD_INPUT_ERRORS as error:

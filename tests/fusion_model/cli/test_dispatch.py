@@ -96,3 +96,13 @@ def test_a_run_that_fails_after_it_started_is_not_bad_input(monkeypatch):
     monkeypatch.setattr(vocab, "main", crash)
     with pytest.raises(RuntimeError, match="out of memory"):  # a traceback and exit 1, not a usage error
         cli.main(["vocab"])
+
+
+def test_the_dispatcher_runs_the_table_its_caller_gives(capsys):
+    """The cli layer names only its own commands; a higher layer passes a larger table (see fusion_model.demo.commands)."""
+    assert all(module.startswith("fusion_model.cli.") for module, _ in cli.SUBCOMMANDS.values())
+    table = {**cli.SUBCOMMANDS, "extra": ("fusion_model.cli.vocab", "vocab under another name")}
+    assert cli.main(["--help"], commands=table) == 0
+    assert "  extra  " in capsys.readouterr().out
+    assert cli.main(["vocab"], commands={"extra": ("fusion_model.cli.convert", "x")}) == 2
+    assert "choose one of: extra" in capsys.readouterr().err

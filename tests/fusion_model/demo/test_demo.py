@@ -152,7 +152,7 @@ def test_greedy_captions_of_the_early_model_are_the_samplers_greedy_captions(dem
 
 
 def test_fusion_experiment_needs_a_finished_demo_and_names_the_command(tmp_path, capsys):
-    from fusion_model.cli import main
+    from fusion_model.demo.commands import main
 
     assert main(["experiment", "fusion", "--demo", "smoke", "--demo-dir", str(tmp_path), "--out",
                  str(tmp_path / "out")]) == 2
@@ -289,7 +289,7 @@ def test_answer_image_is_read_after_the_generated_text():
     from fusion_model.demo.evaluate import _image_codes, _text_before_image
     from tokenizer.vocab import UnifiedVocab
 
-    vocab = SimpleNamespace(boi_id=8, eoi_id=9, eos_id=2, image_offset=16, image_codes=4,
+    vocab = SimpleNamespace(pad_id=0, bos_id=1, boi_id=8, eoi_id=9, eos_id=2, image_offset=16, image_codes=4,
                             decode_text=lambda ids: " ".join(map(str, ids)), _as_list=UnifiedVocab._as_list)
     vocab.spans = lambda ids: UnifiedVocab.spans(vocab, ids)  # the vocabulary's one document parser
     rows = [[100, 101, 8, 16, 17, 18, 19, 9, 2],  # text, then a whole image

@@ -1,0 +1,33 @@
+"""The whole command line (`train.py`, `early-fusion`): the cli layer's commands, then the demo's, in one table."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from fusion_model import cli
+from fusion_model.demo import commands
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def test_the_table_is_the_cli_layers_followed_by_demo_and_experiment():
+    assert list(commands.SUBCOMMANDS) == ["vocab", "tokenizer", "shards", "fit", "generate", "convert", "demo",
+                                          "experiment"]
+    assert {name: commands.SUBCOMMANDS[name] for name in cli.SUBCOMMANDS} == cli.SUBCOMMANDS
+    assert all(module.startswith("fusion_model.cli.") for module, _ in cli.SUBCOMMANDS.values())
+
+
+def test_help_lists_every_command_and_unknown_names_them_all(capsys):
+    assert commands.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"  {name} " in out for name in commands.SUBCOMMANDS)
+    assert out.index("  convert ") < out.index("  demo ") < out.index("  experiment ")
+    assert commands.main(["nope"]) == 2
+    assert capsys.readouterr().err.rstrip().endswith("convert, demo, experiment")
+
+
+def test_train_py_and_the_console_script_run_the_whole_table():
+    script = re.search(r'^early-fusion = "(.+)"$', (REPO / "pyproject.toml").read_text(), re.MULTILINE)
+    assert script and script.group(1) == "fusion_model.demo.commands:main"
+    assert "from fusion_model.demo.commands import main" in (REPO / "train.py").read_text()
