@@ -80,19 +80,24 @@ class FusionDataModule(L.LightningDataModule):
         trainer = self.trainer
         return (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
 
-    def _loader(self, directory: str, shuffle: bool, num_workers: int):
+    def _loader(self, directory: str, shuffle: bool, num_workers: int, training: bool = False):
         rank, world = self._rank_world()
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        # what the model reads beyond ids (the module's `batch_keys`), and how it counts its loss terms
+        # (`window_denominators`): duck-typed, since the data layer does not import the model layers
         features = self.image_features
         if features is None:
-            module = self.trainer.lightning_module if self.trainer is not None else None
-            features = bool(getattr(module, "reads_image_features", False))
+            features = "image_features" in tuple(getattr(module, "batch_keys", ()))
         stream = PackedTokenStream(directory, self.seq_len, self.batch_size, seed=self.seed, rank=rank,
                                    world_size=world, shuffle=shuffle, image_features=features)
-        return make_dataloader(stream, num_workers=num_workers)
+        window = self.trainer.accumulate_grad_batches if training and self.trainer is not None else 1
+        return make_dataloader(stream, num_workers=num_workers, window=window,
+                               count=getattr(module, "window_denominators", None))
 
     def train_dataloader(self):
-        """Training loader (its state_dict travels in Lightning checkpoints: exact mid-epoch resume)."""
-        return self._loader(self.train_dir, self.shuffle, self.num_workers)
+        """Training loader (its state_dict travels in Lightning checkpoints: exact mid-epoch resume); with gradient
+        accumulation it reads each optimizer step ahead, so every loss term is divided by its count over the step."""
+        return self._loader(self.train_dir, self.shuffle, self.num_workers, training=True)
 
     def val_dataloader(self):
         """Held-out shards in a fixed order (limit with trainer.limit_val_batches)."""

@@ -27,6 +27,7 @@ import bisect
 import hashlib
 import os
 import warnings
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -409,11 +410,16 @@ or late (shrinking job): `align_batch_progress` in the training layer does that.
     horizon from `max_steps` (or `len(loader)`) instead.
     """
 
-    def __init__(self, stream: PackedTokenStream, num_workers: int = 0, **kwargs) -> None:
+    def __init__(self, stream: PackedTokenStream, num_workers: int = 0, *, window: int = 1,
+                 count: Callable[[dict], dict[str, torch.Tensor] | None] | None = None, **kwargs) -> None:
+        """window, count: read each optimizer step's `window` micro-batches (batch indices [k window, (k+1) window)
+        of the epoch) ahead, and give each of them `window_denominators` = the sum of `count(batch)` over its
+        step, so a loss can be divided by its count over the whole step (exact gradient accumulation)."""
         if kwargs.get("persistent_workers"):
             raise ValueError("persistent_workers would keep stale positions in the workers; leave it off")
         super().__init__(stream, batch_size=None, num_workers=num_workers, **kwargs)
         self._epoch, self._consumed, self._fresh = stream.epoch, 0, True
+        self.window, self.count = max(int(window), 1), count
         # batches the position moved when a state saved under another world size x batch size was loaded
         self.resume_shift = 0
 
@@ -429,8 +435,11 @@ or late (shrinking job): `align_batch_progress` in the training layer does that.
         if self._consumed >= len(self.dataset):  # resumed from the end of an epoch
             self._epoch, self._consumed = self._epoch + 1, 0
         self.dataset.set_position(self._epoch, self._consumed)
-        for batch in super().__iter__():
-            self._consumed += 1
+        batches = super().__iter__()
+        if self.window > 1 and self.count is not None:
+            batches = with_window_denominators(batches, self.window, self.count, self._consumed, len(self.dataset))
+        for batch in batches:
+            self._consumed += 1  # counted as handed over: read-ahead batches are not yet consumed
             yield batch
 
     def state_dict(self) -> dict:
@@ -445,6 +454,33 @@ or late (shrinking job): `align_batch_progress` in the training layer does that.
         self.resume_shift = self._consumed - int(state["batches_consumed"]) if same_epoch else 0
 
 
+def with_window_denominators(batches: Iterable[dict], window: int,
+                             count: Callable[[dict], dict[str, torch.Tensor] | None], first_index: int = 0,
+                             epoch_length: int | None = None) -> Iterator[dict]:
+    """The batches in order, each optimizer step's `window` micro-batches read before the first of them is handed
+    on, each given `window_denominators`: the sum over its step of `count(batch)` (a dict of tensors; None: no
+    counts, the batches pass unchanged). Steps are aligned to the epoch's batch index, as Lightning's accumulation
+    is (batch `first_index` is the first handed on; the epoch's last step may be shorter), so a resume at any step
+    boundary reads the same steps."""
+
+    def attach(pending: list[dict]) -> list[dict]:
+        counts = [count(batch) for batch in pending]
+        if not pending or any(c is None for c in counts):
+            return pending
+        totals = {name: sum(c[name].float() for c in counts) for name in counts[0]}
+        return [{**batch, "window_denominators": dict(totals)} for batch in pending]
+
+    pending: list[dict] = []
+    for batch in batches:
+        pending.append(batch)
+        index = first_index + len(pending)  # the epoch's batch count once this one is handed on
+        if index % window == 0 or (epoch_length is not None and index >= epoch_length):
+            yield from attach(pending)
+            first_index, pending = index, []
+    yield from attach(pending)
+
+
 def make_dataloader(stream: PackedTokenStream, num_workers: int = 0, **kwargs) -> ResumableDataLoader:
-    """A DataLoader with exact `state_dict()` / `load_state_dict()` resume (batches are built by the stream)."""
+    """A DataLoader with exact `state_dict()` / `load_state_dict()` resume (batches are built by the stream);
+    `window` and `count` as in ResumableDataLoader."""
     return ResumableDataLoader(stream, num_workers=num_workers, **kwargs)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion_model.model import FusionModel
+from fusion_model.model import FusionModel, KVCache
 from tokenizer.image.image_tokenizer import ImageTokenizer
 from tokenizer.layout import image_code_mask
 
@@ -320,10 +320,15 @@ class LateFusionModel(nn.Module):
 
     def hidden(self, input_ids: torch.Tensor, pixels: torch.Tensor | None = None, *,
                features: torch.Tensor | None = None, feature_mask: torch.Tensor | None = None,
-               document_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The decoder's final normed hidden states (B, T, dim) with the images fused in."""
+               document_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+               kv_cache: KVCache | None = None) -> torch.Tensor:
+        """The decoder's final normed hidden states (B, T, dim) with the images fused in; with `kv_cache` (LLaVA
+        and Q-Former: the images are input embeddings) the tokens are appended to the cache, as a prefill."""
         image_features = self.image_features(pixels, features)
         if self.kind == "flamingo":
+            if kv_cache is not None:
+                raise ValueError("LateFusionModel: Flamingo's cross-attention runs in every block, which the KV-cached "
+                                 "decode step does not do: sample it without the cache")
             return self._flamingo_hidden(input_ids, image_features, feature_mask, document_ids, position_ids)
         if self.kind == "llava":
             image_embeds = self.connector(image_features)
@@ -340,7 +345,7 @@ class LateFusionModel(nn.Module):
         embeds = self.decoder.embed(input_ids)
         # fills the placeholder positions in row-major order: image i's embeddings land in the i-th run
         embeds = embeds.masked_scatter(is_image[..., None], image_embeds.to(embeds.dtype))
-        return self.decoder.forward_hidden(input_ids, position_ids, document_ids, inputs_embeds=embeds)
+        return self.decoder.forward_hidden(input_ids, position_ids, document_ids, kv_cache, inputs_embeds=embeds)
 
     def _flamingo_hidden(self, input_ids: torch.Tensor, image_features: torch.Tensor,
                          feature_mask: torch.Tensor | None, document_ids: torch.Tensor | None,

@@ -103,7 +103,7 @@ class FusionCLI(LightningCLI):
         if config.trainer.get("precision") is None:
             config.trainer.precision = "bf16-mixed" if torch.cuda.is_available() else "32-true"
         derive_model_config(config)
-        derive_late_fusion(config)
+        derive_family(config)
         fit_schedule_to_time_budget(config)
         place_outputs_under_root(config, DEFAULT_ROOT)
         use_plain_progress_when_logging_to_a_file(config)
@@ -152,35 +152,36 @@ def derive_model_config(config) -> None:
         model_config["max_seq_len"] = int(seq_len)
 
 
-def derive_late_fusion(config) -> None:
-    """Fill a late-fusion model's ids (<image>, <boi>, <eoi>) and feature_dim from the token shards' manifest (ids
-    also from `data.vocab`); refuse shards without features before anything starts."""
-    late = config.model.get("late_fusion")
-    if not isinstance(late, dict):
-        return
+def derive_family(config) -> None:
+    """Resolve model.family (and the older model.late_fusion spelling) into one family name and its options, and
+    let the family fill in what the token shards' manifest (or `data.vocab`) fixes, e.g. a late-fusion family's
+    ids and feature width; record the shards' tokenizer fingerprints (model.tokenizers) for `generate` to check."""
+    from fusion_model.families import family_class, resolve_family
+
+    name, options = resolve_family(config.model.get("family"), config.model.get("family_options"),
+                                   config.model.get("late_fusion"))
+    family = family_class(name)
     train_dir = Path(str(config.data.get("train_dir") or ""))
     manifest: dict = {}
     if (train_dir / "manifest.json").is_file():
         from data_shards.token_shards import read_manifest
 
         manifest = read_manifest(train_dir)
-        if not manifest.get("feature_dim"):
-            raise ValueError(f"data.train_dir {train_dir} holds no image features, which model.late_fusion reads: "
-                             "re-run `train.py shards tokenize --features` into a fresh directory")
-    known = {"feature_dim": manifest.get("feature_dim"), "image_token_id": manifest.get("image_placeholder_id"),
-             "boi_id": manifest.get("boi_id"), "eoi_id": manifest.get("eoi_id")}
+    vocab = None
     vocab_path = config.data.get("vocab")
-    if None in (known["image_token_id"], known["boi_id"], known["eoi_id"]) and vocab_path and Path(vocab_path).is_file():
+    if vocab_path and Path(vocab_path).is_file():
         from tokenizer.vocab import UnifiedVocab
 
         vocab = UnifiedVocab.load(vocab_path)
-        known = {**known, "image_token_id": known["image_token_id"] or vocab.image_placeholder_id,
-                 "boi_id": known["boi_id"] or vocab.boi_id, "eoi_id": known["eoi_id"] or vocab.eoi_id}
-    for key, value in known.items():
-        if value is not None:
-            late.setdefault(key, int(value))
-    specials = [manifest.get(k) for k in ("pad_id", "bos_id", "eos_id")] + [known["boi_id"], known["eoi_id"]]
-    late.setdefault("special_ids", [int(i) for i in specials if i is not None])
+    try:
+        family.derive_options(options, manifest, vocab)
+    except ValueError as error:
+        raise ValueError(f"data.train_dir {train_dir}: {error}") from error
+    config.model.family, config.model.family_options, config.model.late_fusion = name, options or None, None
+    fingerprints = {"vocab": manifest.get("vocab_fingerprint"),
+                    "image_tokenizer": manifest.get("image_tokenizer_fingerprint")}
+    if not config.model.get("tokenizers") and any(fingerprints.values()):
+        config.model.tokenizers = {key: value for key, value in fingerprints.items() if value}
 
 
 def fit_schedule_to_time_budget(config) -> None:

@@ -350,8 +350,8 @@ def run(config: ExperimentConfig, log: Callable[[str], None] = print) -> dict:
         if kind in EARLY:
             next_logits, added, per_image = early_next_logits(module.model), 0, test_codes[0].numel()
         else:
-            wrapped = module._late
-            next_logits = late_next_logits(wrapped, module.late_config, vocab)
+            wrapped = module.family.late
+            next_logits = late_next_logits(wrapped, module.family.options, vocab)
             added, per_image = wrapped.parameters_added(), wrapped_cost(wrapped, test_codes[0].numel())
         with torch.no_grad():
             ids, feats = prompts_with_features(vocab, [[c] for c in test_codes], [[f] for f in test_features],

@@ -1,4 +1,4 @@
-"""FusionLightningModule: pretraining of the fused decoder (Chameleon's recipe) under any Lightning strategy."""
+"""FusionLightningModule: pretraining of any model family (fusion_model.families) under any Lightning strategy."""
 
 from __future__ import annotations
 
@@ -9,12 +9,10 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from fusion_model.checkpoint import architecture_differences, checkpoint_config, connector_weights, load_model
+from fusion_model.checkpoint import architecture_differences, checkpoint_config, load_model
 from fusion_model.config import FusionConfig, FusionConfigDict
-from fusion_model.late_fusion import LateFusionConfig, LateFusionModel, late_layout, set_stage
-from fusion_model.loss import fusion_loss_from_hidden
-from fusion_model.model import FusionModel
-from fusion_model.qformer_pretraining import QFormerPretrainer, caption_pairs
+from fusion_model.families import DEFAULT_FAMILY, family_class, resolve_family
+from fusion_model.families.base import LossSettings, Objective, ObjectiveContext
 from fusion_model.training.checkpointing import rng_state, set_rng_state
 from fusion_model.training.optim import WarmupDecay, build_adamw, build_scheduler
 
@@ -47,15 +45,20 @@ def align_batch_progress(trainer: L.Trainer) -> int:
 
 
 class FusionLightningModule(L.LightningModule):
-    """Next-token pretraining on packed batches (`input_ids`, `document_ids`, `position_ids`, each (B, T)).
+    """Pretraining of any model family (fusion_model.families) on packed batches (`input_ids`, `document_ids`,
+    `position_ids`, each (B, T), plus what the family asks for).
 
-    The loss of a micro-batch is normalised by the number of targets over ALL data-parallel ranks, so
-    one process with the global batch and N processes with 1/N of it each compute the same gradient.
+    What every family shares lives here: each loss term is divided by its count over ALL data-parallel ranks and
+    every micro-batch of the optimizer step, so one process with the global batch and N processes with 1/N of it
+    each compute the same gradient; the non-finite step skip; RNG and resume state; logging of what the
+    objective returns.
     """
 
     def __init__(
         self,
         config: FusionConfigDict | FusionConfig | None = None,
+        family: str = DEFAULT_FAMILY,
+        family_options: dict | None = None,
         lr: float = 1e-4,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-5,
@@ -72,23 +75,31 @@ class FusionLightningModule(L.LightningModule):
         nonfinite: str = "stop",
         init_weights: str | None = None,
         late_fusion: dict | None = None,
+        objective_seed: int = 0,
+        tokenizers: dict[str, str] | None = None,
     ) -> None:
-        """`config` is the decoder; the rest is the recipe (defaults: Chameleon's).
+        """`config` is the decoder, `family` what is trained around it and how; the rest is the recipe (defaults:
+        Chameleon's).
 
         config: a FusionConfig, or a dict naming a preset plus field overrides ({"preset": "small",
         "dropout": 0.1}; see FusionConfig.from_dict), or None for the tiny preset. hparams["config"] always
         holds the full resolved dict, so a checkpoint rebuilds the same decoder even if a preset changes.
-
+        family: a registered family name (chameleon, llava, qformer, blip2-stage1, flamingo) or a dotted path
+        `package.module:Class` to a fusion_model.families.base.Family subclass; family_options: its options (a
+        late-fusion family's LateFusionConfig fields, e.g. {"stage": 2}).
         decay_steps: where the lr reaches `min_lr_ratio` x lr (default: trainer.max_steps).
         nonfinite: "stop" raises NonFiniteLossError naming the step and batch (no checkpoint is written
         for that step, so the last one stays good); "skip" drops that optimizer step and counts it.
         init_weights: start a new run from these decoder weights (a checkpoint file, e.g. from `train.py convert
         import`, or a transformers Chameleon directory); with config None the decoder config is the checkpoint's,
         otherwise its architecture must match. Ignored when the run resumes from its own checkpoint.
-        late_fusion: train a late-fusion connector in front of the decoder instead (fusion_model.late_fusion's
-        LateFusionConfig as a dict, e.g. {"kind": "llava", "stage": 1}): the batches' image codes are replaced by
-        the shards' pre-quantisation features (`shards tokenize --features`), image positions add no loss, and the
-        stage decides whether the decoder trains. `train.py fit` fills in the ids and feature_dim from the shards.
+        late_fusion: the older spelling of a late-fusion family, {"kind": "llava", "stage": 1, ...}: names the
+        family of that kind and stage and gives its options (family_options win key by key); see
+        fusion_model.families.resolve_family.
+        objective_seed: the key of the objective's own randomness (noise, timesteps, hard negatives), drawn per
+        sample and step (fusion_model.families.base.ObjectiveContext), never from a rank's generator.
+        tokenizers: fingerprints of the vocabulary and image tokenizer the shards were made with ({"vocab": ...,
+        "image_tokenizer": ...}; `train.py fit` takes them from the manifest): `generate` refuses others.
         """
         super().__init__()
         if config is None and init_weights:
@@ -100,61 +111,43 @@ class FusionLightningModule(L.LightningModule):
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite={nonfinite!r}: choose one of {NONFINITE_POLICIES}")
         config = dataclasses.replace(config, gradient_checkpointing=config.gradient_checkpointing or activation_checkpointing)
+        family, family_options = resolve_family(family, family_options, late_fusion)
         # hparams hold only plain values (the config as a dict) so checkpoints load with weights_only=True
         self.save_hyperparameters(ignore=["config"])
         self.hparams["config"] = config.to_dict()
         self.model_config = config
-        self.model = FusionModel(config)
-        self.late_config: LateFusionConfig | None = None
-        self._late: LateFusionModel | None = None
-        if late_fusion is not None:
-            self._build_late_fusion(LateFusionConfig.from_dict(late_fusion))
+        losses = LossSettings(text_weight=text_weight, image_weight=image_weight, chunk_size=loss_chunk_size)
+        self.family = family_class(family)(config, family_options, losses)
+        # the resolved spelling, so a checkpoint names its family whichever spelling trained it
+        self.hparams.update(family=family, family_options=self.family.options_dict(), late_fusion=None)
+        self.parts = self.family.build()
+        for name, part in self.parts.items():
+            self.add_module(name, part)
         self._init_weights = init_weights
         self.skipped_steps = 0
-        self.decoder_positions = 0  # positions the decoder trained on in this process (late fusion changes the count)
+        self.decoder_positions = 0  # positions the decoder ran on in this process (late fusion changes the count)
         self._bad_in_window = False
         self._batch_idx = -1
         self._rng_to_restore: dict[str, torch.Tensor] | None = None
-        # gradient accumulation: the first micro-batch's global target weight (the unit every micro-batch's
-        # loss sum is divided by) and the window's total; the gradients are rescaled by unit / total at the step
-        self._window_unit: torch.Tensor | None = None
-        self._window_weight: torch.Tensor | None = None
         self._sharded = False
 
-    def _build_late_fusion(self, late: LateFusionConfig) -> None:
-        missing = [name for name in ("feature_dim", "image_token_id", "boi_id", "eoi_id") if getattr(late, name) is None]
-        if missing:
-            raise ValueError(f"late_fusion needs {missing} (train.py fit takes them from the token shards' manifest)")
-        wrapped = LateFusionModel(self.model, late.kind, late.image_token_id, feature_dim=late.feature_dim,
-                                  connector_dim=late.connector_dim, num_latents=late.num_latents,
-                                  num_queries=late.num_queries, depth=late.depth, heads=late.heads)
-        self.connector = wrapped.connector
-        # not a submodule: its parts are self.model and self.connector, so checkpoints name each weight once
-        self.__dict__["_late"] = wrapped
-        set_stage(wrapped, late.stage)
-        self.late_config = late
-        if (late.kind, late.stage) == ("qformer", 1):
-            heads = QFormerPretrainer(self.connector, self.model_config.vocab_size, late.text_len)
-            # the Q-Former is self.connector already: keep only the stage-1 heads as this submodule's own weights
-            del heads._modules["qformer"]
-            object.__setattr__(heads, "qformer", self.connector)
-            self.stage1_heads = heads
-            # the projection to the decoder's width is stage 2's: unused here (DDP refuses unused trainable weights)
-            self.connector.to_language_model.requires_grad_(False)
-
     @property
-    def reads_image_features(self) -> bool:
-        """Whether the batches must carry image features (a late-fusion model)."""
-        return self.late_config is not None
+    def batch_keys(self) -> tuple[str, ...]:
+        """The batch entries the family reads beyond ids, documents and positions (the data module adds them)."""
+        return tuple(self.family.batch_keys)
+
+    def window_denominators(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+        """Each loss term's count in a batch, from the batch alone (the loader sums them over an optimizer step's
+        micro-batches); None when the family cannot count without a forward."""
+        return self.family.denominators(batch)
 
     # ---- model wrapping (FSDP2 / compile), called by Lightning inside the strategy's init context ----
     def setup(self, stage: str) -> None:
-        """Load `init_weights` (and a late-fusion `init_connector`) into a new run (a resumed run restores its own
+        """Load `init_weights` and what the family starts from into a new run (a resumed run restores its own
         checkpoint instead)."""
         if stage != "fit" or self.trainer.ckpt_path is not None:
             return
-        if self.late_config is not None and self.late_config.init_connector:
-            self.connector.load_state_dict(connector_weights(self.late_config.init_connector))
+        self.family.start_new_run(self.parts)
         if not self._init_weights:
             return
         loaded = load_model(self._init_weights)
@@ -164,143 +157,86 @@ class FusionLightningModule(L.LightningModule):
                 f"model.init_weights {self._init_weights} holds another architecture ({'; '.join(differences)}; "
                 "checkpoint vs model.config): pass --model.config null to take the checkpoint's config"
             )
-        self.model.load_state_dict(loaded.state_dict())
+        self.parts["model"].load_state_dict(loaded.state_dict())
 
     def configure_model(self) -> None:
-        """Apply torch.compile and, under ModelParallelStrategy, FSDP2 `fully_shard` per block and at the root."""
+        """Apply torch.compile and, under ModelParallelStrategy, FSDP2 as the family shards itself."""
         if self._sharded:
             return
         self._sharded = True
         if self.hparams.compile:
-            for block in self.model.layers:
-                block.compile()  # in place: parameter names (and so checkpoints) do not change
+            self.family.compile(self.parts)  # in place: parameter names (and so checkpoints) do not change
         mesh = getattr(self, "_device_mesh", None)
         if mesh is None:
             return
-        if self._late is not None:
-            # the late-fusion path calls decoder.embed, forward_hidden and head.weight outside any FSDP forward, so
-            # the root's parameters would stay sharded (and an unsharded connector's gradients unsynchronised)
-            raise ValueError("model.late_fusion does not run under ModelParallelStrategy (FSDP2) yet: train it with "
-                             "--trainer.strategy=ddp (or auto on one device)")
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
-
-        # Pure data parallelism: this decoder has no tensor-parallel layers, so shard over ALL ranks even
-        # when the strategy's "auto" sizes split them into data x tensor (it does so within a node).
-        dp_mesh = mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
-        if dp_mesh.size() != mesh.size():
-            dp_mesh = init_device_mesh(mesh.device_type, (mesh.size(),), mesh_dim_names=("data_parallel",))
-        for block in self.model.layers:
-            fully_shard(block, mesh=dp_mesh)
-        fully_shard(self.model, mesh=dp_mesh)
-        register_fsdp_forward_method(self.model, "loss")  # root params are gathered around model.loss too
+        self.family.parallelize(self.parts, mesh)
 
     # ---- training ----------------------------------------------------------------------------------
-    def _losses(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if self._late is not None:
-            return self._late_fusion_losses(batch)
-        out = self.model.loss(
-            batch["input_ids"], batch["document_ids"], batch.get("position_ids"),
-            text_weight=self.hparams.text_weight, image_weight=self.hparams.image_weight,
-            chunk_size=self.hparams.loss_chunk_size,
-        )
-        return {**out, "positions": (batch["document_ids"] >= 0).sum()}
+    def objective(self, batch: dict[str, torch.Tensor]) -> Objective:
+        """The family's objective on one micro-batch, keyed by the current optimizer step."""
+        self.family.set_mode(self.parts, self.training)
+        context = ObjectiveContext(step=self.global_step, seed=self.hparams.objective_seed, training=self.training)
+        return self.family.objective(self.parts, batch, context)
 
-    def _late_fusion_losses(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The loss of the late-fusion model on the same batch: codes replaced by the connector's view of the
-        features, image placeholders ignored (label -100), the rest as in pretraining (CE + z-loss)."""
-        if "image_features" not in batch:
-            raise ValueError("a late-fusion model needs batches with image_features: set data.image_features true "
-                             "(or leave it null) and tokenize the shards with --features")
-        self._late.train(self.training)  # a frozen decoder runs in eval mode: no dropout
-        if hasattr(self, "stage1_heads"):
-            return self._qformer_stage1_losses(batch)
-        config = self.model_config
-        layout = late_layout(batch["input_ids"], batch["document_ids"], batch["image_features"],
-                             config=self.late_config, image_offset=config.image_offset, image_codes=config.image_codes)
-        if layout["input_ids"].shape[1] > config.max_seq_len:
-            raise ValueError(f"late fusion made rows of {layout['input_ids'].shape[1]} positions (each image costs "
-                             f"{self.late_config.per_image}), more than model.config.max_seq_len {config.max_seq_len}: "
-                             "raise max_seq_len or lower data.seq_len")
-        hidden = self._late.hidden(layout["input_ids"], features=layout["features"],
-                                   feature_mask=layout["feature_mask"], document_ids=layout["document_ids"],
-                                   position_ids=layout["position_ids"])
-        out = fusion_loss_from_hidden(
-            hidden, self.model.head.weight, layout["input_ids"], layout["document_ids"],
-            image_offset=config.image_offset, image_codes=config.image_codes, z_loss_coef=config.z_loss_coef,
-            text_weight=self.hparams.text_weight, image_weight=self.hparams.image_weight,
-            chunk_size=self.hparams.loss_chunk_size, ignore_id=self.late_config.image_token_id,
-        )
-        return {**out, "positions": (layout["document_ids"] >= 0).sum()}
-
-    def _qformer_stage1_losses(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """BLIP-2's stage 1 on the batch's one-image documents (image-text pairs): ITC + ITM + ITG, no decoder."""
-        config, late = self.model_config, self.late_config
-        pairs = caption_pairs(batch["input_ids"], batch["document_ids"], batch["image_features"],
-                              image_offset=config.image_offset, image_codes=config.image_codes,
-                              special_ids=list(late.special_ids), pad_id=0,  # padding is masked: never read
-                              max_text_len=late.text_len)
-        zero = batch["image_features"].new_zeros(())
-        if pairs is None:  # nothing to contrast: a zero loss that still reaches every trainable weight
-            loss = sum(p.sum() for p in self.parameters() if p.requires_grad) * 0.0
-            parts = {"itc": zero, "itm": zero, "itg": zero, "itc_accuracy": zero}
-            count = zero.long()
-        else:
-            parts = self.stage1_heads(pairs["features"], pairs["text_ids"], pairs["text_mask"],
-                                      pairs["feature_mask"], pair_ids=pairs["pair_ids"])
-            loss, count = parts["loss"], pairs["pair_ids"].new_tensor(len(pairs["pair_ids"]))
-        prefix = "train" if self.training else "val"
-        self.log_dict({f"{prefix}/{name}": parts[name].detach() for name in ("itc", "itm", "itg", "itc_accuracy")},
-                      on_step=self.training, on_epoch=not self.training, batch_size=max(int(count), 1))
-        return {"loss": loss, "ce": loss, "z_loss": zero, "text_loss": parts["itg"].detach(), "image_loss": zero,
-                "n_text_targets": count, "n_image_targets": zero.long(), "positions": zero.long()}
-
-    def _weight(self, out: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The loss's denominator on this rank: modality-weighted number of targets."""
-        return (out["n_text_targets"] * self.hparams.text_weight + out["n_image_targets"] * self.hparams.image_weight).float()
+    def _denominators(self, objective: Objective, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Each term's count over the optimizer step on this rank: the loader's sum over the step's micro-batches
+        (`window_denominators`), or this micro-batch's own when nothing is accumulated."""
+        window = batch.get("window_denominators")
+        if window is not None:
+            return torch.stack([window[name].float().reshape(()) for name in objective.terms]).to(self.device)
+        if self.trainer.accumulate_grad_batches > 1:
+            raise ValueError(
+                f"trainer.accumulate_grad_batches={self.trainer.accumulate_grad_batches}, but the batches carry no "
+                f"window_denominators: the {self.family.name} family cannot count its loss terms without a forward, "
+                "or the train loader does not read a step ahead (FusionDataModule does): accumulate 1 and raise "
+                "data.batch_size instead"
+            )
+        return objective.counts()
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """Loss of one micro-batch, scaled so that the optimizer sees the mean over every target of the step.
+        """Loss of one micro-batch, scaled so that the optimizer sees each term's mean over the whole step.
 
-        Ranks and accumulated micro-batches hold different numbers of targets (documents end, padding), so each
-        micro-batch contributes its loss sum over a common unit (the window's first global weight); DDP's
-        mean over ranks and Lightning's division by accumulate_grad_batches are undone here, and
-        configure_gradient_clipping rescales the summed gradients by unit / (the window's total weight).
+        Ranks and micro-batches hold different numbers of targets (documents end, padding), so each term's sum is
+        divided by its count over every rank and micro-batch of the step; DDP's mean over ranks and Lightning's
+        division by accumulate_grad_batches are undone here.
         """
         if self._rng_to_restore is not None:  # first batch after a resume: continue the saved RNG streams
             set_rng_state(self._rng_to_restore)
             self._rng_to_restore = None
         self._batch_idx = batch_idx
-        out = self._losses(batch)
-        self.decoder_positions += int(out.pop("positions"))
-        loss = out["loss"]
-        weight = self._weight(out)
-        # one collective for both: the global target weight and whether any rank saw a non-finite loss
-        stats = torch.stack([weight, (~torch.isfinite(loss.detach())).float()])
+        objective = self.objective(batch)
+        self.decoder_positions += int(objective.positions)
+        denominators = self._denominators(objective, batch)
+        raw = torch.stack([term.total.detach().float().reshape(()) for term in objective.terms.values()]).sum()
+        # one collective for all: the global counts and whether any rank saw a non-finite loss
+        stats = torch.cat([denominators, (~torch.isfinite(raw)).float()[None]])
         stats = self.trainer.strategy.reduce(stats, reduce_op="sum") if self.trainer.world_size > 1 else stats
-        global_weight, bad_ranks = stats[0], int(stats[1].item())
+        global_denominators, bad_ranks = stats[:-1], int(stats[-1].item())
         if bad_ranks:
-            self._nonfinite(f"loss {loss.item()} on this rank ({bad_ranks} rank(s) non-finite)", batch_idx)
+            self._nonfinite(f"loss {raw.item()} on this rank ({bad_ranks} rank(s) non-finite)", batch_idx)
             # skip: a zero loss hanging off every parameter keeps DDP/FSDP collectives in step; the
             # optimizer step itself is dropped in configure_gradient_clipping
             self._bad_in_window = True
             return sum(p.sum() for p in self.parameters()) * 0.0
-        if self._window_unit is None:
-            self._window_unit, self._window_weight = global_weight.clamp_min(1e-12), global_weight.new_zeros(())
-        self._window_weight = self._window_weight + global_weight
-        scale = weight * self.trainer.world_size * self.trainer.accumulate_grad_batches / self._window_unit
-        self.log_dict(
-            {
-                "train/loss": loss.detach(),
-                "train/ce": out["ce"].detach(),
-                "train/text_loss": out["text_loss"],
-                "train/image_loss": out["image_loss"],
-                "train/z_loss": out["z_loss"].detach(),
-            },
-            on_step=True, on_epoch=False, prog_bar=False,
-        )
-        self.log("loss", loss.detach(), on_step=True, on_epoch=False, prog_bar=True, logger=False)
-        return loss * scale
+        loss = objective.loss(global_denominators)
+        self._log_objective(objective, "train")
+        shown = objective.mean(next(iter(objective.terms))) if len(objective.terms) == 1 else loss.detach()
+        self.log("loss", shown, on_step=True, on_epoch=False, prog_bar=True, logger=False)
+        return loss * self.trainer.world_size * self.trainer.accumulate_grad_batches
+
+    def _log_objective(self, objective: Objective, prefix: str) -> None:
+        """Log each term's mean (`<prefix>/<term>`; one term is `<prefix>/loss`) and each metric."""
+        training = prefix == "train"
+
+        def weight(count: torch.Tensor | int) -> int:  # validation averages by it; a training step logs as is
+            return 1 if training else max(int(count), 1)
+
+        for name, term in objective.terms.items():
+            self.log(f"{prefix}/{name}", objective.mean(name), on_step=training, on_epoch=not training,
+                     sync_dist=not training, batch_size=weight(term.count), prog_bar=not training)
+        for name, (value, count) in objective.metrics.items():
+            self.log(f"{prefix}/{name}", value, on_step=training, on_epoch=not training, sync_dist=not training,
+                     batch_size=weight(count))
 
     def _nonfinite(self, what: str, batch_idx: int) -> None:
         """Stop with a message naming step and batch, or (skip policy) count and carry on."""
@@ -317,12 +253,6 @@ class FusionLightningModule(L.LightningModule):
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         """Clip the global grad norm (DTensor-aware, so FSDP2 works too), log it, and drop non-finite steps."""
         params = [p for p in self.parameters() if p.grad is not None]
-        unit, total = self._window_unit, self._window_weight
-        self._window_unit = self._window_weight = None
-        if unit is not None and params and self.trainer.accumulate_grad_batches > 1:
-            # (one micro-batch per step needs none: its unit is the total.) A Python float, because FSDP2's
-            # gradients are DTensors, which foreach ops do not mix with plain tensors.
-            torch._foreach_mul_([p.grad for p in params], float(unit / total.clamp_min(1e-12)))
         max_norm = float(gradient_clip_val) if gradient_clip_val else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm) if params else torch.zeros(())
         if hasattr(norm, "full_tensor"):
@@ -342,12 +272,8 @@ class FusionLightningModule(L.LightningModule):
 
     # ---- validation ----------------------------------------------------------------------------------
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        """Token-weighted validation loss over the held-out shards (all ranks)."""
-        out = self._losses(batch)
-        weight = self._weight(out)
-        self.log("val/loss", out["loss"], on_epoch=True, sync_dist=True, batch_size=max(int(weight), 1), prog_bar=True)
-        self.log("val/text_loss", out["text_loss"], on_epoch=True, sync_dist=True, batch_size=max(int(out["n_text_targets"]), 1))
-        self.log("val/image_loss", out["image_loss"], on_epoch=True, sync_dist=True, batch_size=max(int(out["n_image_targets"]), 1))
+        """Each term's and metric's validation mean over the held-out shards (all ranks), weighted by its count."""
+        self._log_objective(self.objective(batch), "val")
 
     # ---- optimiser ------------------------------------------------------------------------------------
     def configure_optimizers(self) -> dict[str, Any]:

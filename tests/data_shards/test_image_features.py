@@ -181,8 +181,9 @@ def test_the_data_module_reads_features_when_the_model_does(features_dir):
     def first_batch(image_features, reads):
         module = FusionDataModule(str(features_dir), seq_len=SEQ_LEN, batch_size=2, num_workers=0,
                                   image_features=image_features)
-        module.trainer = types.SimpleNamespace(global_rank=0, world_size=1,
-                                               lightning_module=types.SimpleNamespace(reads_image_features=reads))
+        model = types.SimpleNamespace(batch_keys=("image_features",) if reads else ())
+        module.trainer = types.SimpleNamespace(global_rank=0, world_size=1, accumulate_grad_batches=1,
+                                               lightning_module=model)
         return next(iter(module.train_dataloader()))
 
     assert "image_features" in first_batch(None, True)

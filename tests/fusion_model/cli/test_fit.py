@@ -144,15 +144,15 @@ def test_shards_from_another_vocabulary_or_image_tokenizer(tmp_path, capsys):
 
 
 def _nan_at_step(monkeypatch, step: int) -> None:
-    original = FusionLightningModule._losses
+    original = FusionLightningModule.objective
 
-    def losses(self, batch):
+    def objective(self, batch):
         out = original(self, batch)
         if self.training and self.global_step == step:
-            out = {**out, "loss": out["loss"] * float("nan")}
+            out.terms["loss"].total = out.terms["loss"].total * float("nan")
         return out
 
-    monkeypatch.setattr(FusionLightningModule, "_losses", losses)
+    monkeypatch.setattr(FusionLightningModule, "objective", objective)
 
 
 def test_nonfinite_loss_stops_naming_step_and_batch_and_keeps_the_last_good_checkpoint(tokens, tmp_path, capsys, monkeypatch):

@@ -88,7 +88,7 @@ def test_llava_stage_one_trains_only_the_projector_and_stage_two_starts_from_it(
     decoder_before, connector_before = weights(built.model.model), weights(built.model.connector)
 
     trained = fit(shards, stage_one_root, 3, {"kind": "llava", "stage": 1}).model
-    assert trained.late_config.image_token_id == IMAGE and trained.late_config.feature_dim == FEATURE_DIM
+    assert trained.family.options.image_token_id == IMAGE and trained.family.options.feature_dim == FEATURE_DIM
     assert not changed(decoder_before, weights(trained.model)), "stage 1 must leave the decoder bit-identical"
     assert changed(connector_before, weights(trained.connector)) == list(connector_before)
     assert trained.decoder_positions > 0
@@ -185,7 +185,7 @@ def test_qformer_stage_one_trains_against_the_encoder_alone_and_hands_its_querie
     stage_one = {"kind": "qformer", "stage": 1, "num_queries": 3, "depth": 1}
     built = fit_from_config(None, late_args(shards, tmp_path / "one", 3, stage_one), run=False)
     decoder_before, connector_before = weights(built.model.model), weights(built.model.connector)
-    assert built.model.late_config.special_ids == (PAD, BOS, EOS, BOI, EOI)  # taken from the manifest
+    assert built.model.family.options.special_ids == (PAD, BOS, EOS, BOI, EOI)  # taken from the manifest
 
     trained = fit(shards, tmp_path / "one", 3, stage_one)
     module = trained.model

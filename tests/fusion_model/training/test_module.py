@@ -15,7 +15,8 @@ import fit_worker as fw  # noqa: E402
 
 def _grads(module: FusionLightningModule, batch: dict) -> dict[str, torch.Tensor]:
     module.zero_grad()
-    module._losses(batch)["loss"].backward()
+    objective = module.objective(batch)
+    objective.loss(objective.counts()).backward()
     return {n: p.grad.clone() for n, p in module.named_parameters()}
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import Logger
 
+from data_shards.stream import with_window_denominators
 from fusion_model.config import FusionConfig
 from fusion_model.model import FusionModel, apply_rope, rope_cos_sin
 from fusion_model.training.lightning_module import FusionLightningModule
@@ -67,6 +68,8 @@ def fit(module: FusionLightningModule, batches: list[dict], callbacks: list, roo
                         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=callbacks, gradient_clip_val=clip,
                         accumulate_grad_batches=accumulate, default_root_dir=root)
+    # each micro-batch carries its step's loss denominators, as the project's loader gives them
+    batches = list(with_window_denominators(batches, accumulate, module.window_denominators))
     trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
     return logger
 

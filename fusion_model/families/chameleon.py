@@ -1,0 +1,67 @@
+"""The Chameleon family: early fusion, one decoder over text and image codes, next-token CE + z-loss."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from fusion_model.families.base import Family, LossTerm, Objective, ObjectiveContext
+from fusion_model.loss import next_token_targets, target_weights
+from fusion_model.model import FusionModel
+
+
+class ChameleonFamily(Family):
+    """Chameleon (arXiv 2405.09818): image codes are tokens; every position predicts the next token, text and
+    image alike, each target weighted by its modality's weight (`--model.text_weight`, `--model.image_weight`)."""
+
+    name = "chameleon"
+    scores_image_positions = True
+    exportable = True
+
+    def build(self) -> dict[str, nn.Module]:
+        """The decoder, registered as `model` (checkpoints hold `model.*`)."""
+        return {"model": FusionModel(self.config)}
+
+    def denominators(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The modality-weighted number of next-token targets (what `objective` divides the loss sum by)."""
+        targets, valid = next_token_targets(batch["input_ids"], batch["document_ids"])
+        is_image, _ = target_weights(targets[valid], self.config.image_offset, self.config.image_codes,
+                                     self.losses.text_weight, self.losses.image_weight)
+        return {"loss": self._weighted_count(is_image.numel() - is_image.sum(), is_image.sum())}
+
+    def _weighted_count(self, n_text: torch.Tensor, n_image: torch.Tensor) -> torch.Tensor:
+        return (n_text * self.losses.text_weight + n_image * self.losses.image_weight).float()
+
+    def objective(self, parts: Mapping[str, nn.Module], batch: Mapping[str, torch.Tensor],
+                  context: ObjectiveContext) -> Objective:
+        """CE + z-loss over every next-token target, as one term (its count: the weighted targets)."""
+        out = parts["model"].loss(batch["input_ids"], batch["document_ids"], batch.get("position_ids"),
+                                  text_weight=self.losses.text_weight, image_weight=self.losses.image_weight,
+                                  chunk_size=self.losses.chunk_size)
+        positions = (batch["document_ids"] >= 0).sum()
+        return next_token_objective(out, self._weighted_count(out["n_text_targets"], out["n_image_targets"]),
+                                    positions)
+
+    def generate(self, parts: Mapping[str, nn.Module], vocab: Any, image_tokenizer: Any, prompts: list[list[Any]],
+                 config: Any) -> tuple[list[list[Any]], list[list[int]]]:
+        """Mixed text-and-image sampling (fusion_model.generation.generate)."""
+        from fusion_model.generation import generate
+
+        return generate(parts["model"], vocab, image_tokenizer, prompts, config, return_ids=True)
+
+
+def next_token_objective(out: Mapping[str, torch.Tensor], weighted_count: torch.Tensor,
+                         positions: torch.Tensor | int) -> Objective:
+    """The Objective of `fusion_loss`'s output: one term `loss` (mean x weighted count = its sum), and the
+    CE, z-loss and per-modality losses as metrics (logged as train/ce, train/text_loss, ...)."""
+    n_text, n_image = out["n_text_targets"], out["n_image_targets"]
+    weight = weighted_count.clamp_min(1)
+    return Objective(
+        terms={"loss": LossTerm(out["loss"] * weighted_count, weighted_count)},
+        metrics={"ce": (out["ce"].detach(), weight), "text_loss": (out["text_loss"], n_text),
+                 "image_loss": (out["image_loss"], n_image), "z_loss": (out["z_loss"].detach(), weight)},
+        positions=positions,
+    )

@@ -1,0 +1,72 @@
+"""One loader for every family's checkpoint: the family, its parts with their weights, and the tokenizer
+fingerprints it was trained with."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from fusion_model.checkpoint import load_model
+from fusion_model.config import FusionConfig
+from fusion_model.families import family_class, resolve_family
+from fusion_model.families.base import Family, LossSettings
+from fusion_model.families.chameleon import ChameleonFamily
+from tokenizer.files import load_checkpoint_file
+
+
+@dataclass
+class LoadedFamily:
+    """A checkpoint's family, its parts (weights loaded, eval mode) and the fingerprints it recorded."""
+
+    family: Family
+    parts: dict[str, nn.Module]
+    tokenizers: dict[str, str] = field(default_factory=dict)
+
+    def check_tokenizers(self, vocab: Any = None, image_tokenizer: Any = None, where: str = "") -> None:
+        """Refuse a vocabulary or image tokenizer other than the ones the checkpoint was trained with (when it
+        recorded them): their ids or features would mean something else to the model."""
+        given = {"vocab": (vocab, "--vocab"), "image_tokenizer": (image_tokenizer, "--image-tokenizer")}
+        for key, (tokenizer, flag) in given.items():
+            expected = self.tokenizers.get(key)
+            if tokenizer is None or not expected or tokenizer.fingerprint() == expected:
+                continue
+            raise ValueError(f"{where}: the checkpoint was trained with another {key.replace('_', ' ')} (fingerprint "
+                             f"{expected}; {flag} has {tokenizer.fingerprint()}): pass the one its token shards "
+                             "were made with")
+
+
+def load_family(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> LoadedFamily:
+    """Any family's checkpoint: a `train.py fit` checkpoint (its hparams name the family, or the older
+    `late_fusion`; none: chameleon), a `convert import` file, or a transformers Chameleon directory."""
+    path = Path(path)
+    if path.is_dir():
+        model = load_model(path, map_location=map_location).eval()
+        return LoadedFamily(ChameleonFamily(model.config), {"model": model})
+    checkpoint = load_checkpoint_file(path, map_location=map_location)
+    hparams = checkpoint.get("hyper_parameters") or {}
+    if not isinstance(hparams.get("config"), dict) or "state_dict" not in checkpoint:
+        raise ValueError(f"{path} is not a fusion checkpoint (expected 'state_dict' and hyper_parameters['config'])")
+    config = FusionConfig.from_dict(hparams["config"])
+    name, options = resolve_family(hparams.get("family"), hparams.get("family_options"), hparams.get("late_fusion"))
+    losses = LossSettings(text_weight=hparams.get("text_weight", 1.0), image_weight=hparams.get("image_weight", 1.0))
+    family = family_class(name)(config, options, losses)
+    parts = family.build()
+    # a torch.compile'd part saves its weights under "_orig_mod."
+    state = {key.replace("_orig_mod.", ""): value for key, value in checkpoint["state_dict"].items()}
+    for part_name, part in parts.items():
+        prefix = part_name + "."
+        weights = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+        try:
+            part.load_state_dict(weights)
+        except RuntimeError as error:
+            raise ValueError(f"{path}: the {name} family's {part_name} does not match the checkpoint's weights "
+                             f"({str(error).splitlines()[0]})") from error
+        part.eval()
+    family.set_mode(parts, False)
+    tokenizers = {k: str(v) for k, v in (hparams.get("tokenizers") or {}).items() if v}
+    return LoadedFamily(family, parts, tokenizers)
