@@ -77,10 +77,15 @@ def export_transformers(
 ) -> Path:
     """Our checkpoint -> transformers Chameleon directory: weights and config, and with --vocab the tokenizer,
     generation_config.json and (with an image tokenizer) the processor files."""
-    from fusion_model.checkpoint import load_model
+    from fusion_model.families.loading import load_family
     from fusion_model.hf_convert import DTYPES, to_transformers
 
-    model = load_model(checkpoint)
+    loaded = load_family(checkpoint)
+    if not loaded.family.exportable:
+        raise ValueError(f"{checkpoint} is a {loaded.family.name} checkpoint, which transformers' Chameleon cannot "
+                         "hold (only its decoder would be written, without what feeds it images): export a chameleon "
+                         "checkpoint, or sample this one with `train.py generate`")
+    model = loaded.parts["model"]
     tokenizer = None
     if image_tokenizer is not None:
         from tokenizer.image import ImageTokenizer

@@ -76,3 +76,14 @@ def test_a_checkpoint_refuses_tokenizers_other_than_the_ones_it_was_trained_with
         loaded.check_tokenizers(tokenizer("v1"), tokenizer("i2"), where="c.ckpt")
     with pytest.raises(ValueError, match="another vocab"):
         loaded.check_tokenizers(tokenizer("v2"), None, where="c.ckpt")
+
+
+def test_convert_export_refuses_a_family_transformers_cannot_hold(tmp_path, capsys):
+    from fusion_model.cli import main
+
+    module = FusionLightningModule(CONFIG, family="flamingo", family_options={**LATE, "kind": "flamingo", "stage": 1})
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, tmp_path / "f.ckpt")
+    assert main(["convert", "export", "--checkpoint", str(tmp_path / "f.ckpt"), "--out", str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "flamingo checkpoint" in err and "train.py generate" in err
+    assert not (tmp_path / "hf").exists()
