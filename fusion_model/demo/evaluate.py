@@ -18,6 +18,7 @@ from fusion_model.demo.datasets import (
 )
 from fusion_model.demo.metrics import frechet_distance, per_group_diversity
 from fusion_model.demo.settings import GenerateSettings
+from fusion_model.generation import split_segments
 from fusion_model.sampling import SamplingConfig, generate_ids
 
 
@@ -31,26 +32,21 @@ def _batched(model, vocab, prompts: list[list[int]], config: SamplingConfig, bat
 
 
 def _image_codes(vocab, new_ids: list[list[int]], grid: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first generated image of each row as codes (N, h, w), and which rows produced a complete image."""
-    n = grid[0] * grid[1]
+    """The first generated image of each row as codes (N, h, w), and which rows produced a complete image (one that
+    `generation.split_segments` keeps: closed by `<eoi>` after exactly h*w codes; zeros where none)."""
     codes = torch.zeros(len(new_ids), *grid, dtype=torch.long)
     complete = torch.zeros(len(new_ids), dtype=torch.bool)
     for r, ids in enumerate(new_ids):
-        image = next((span for span in vocab.spans(ids) if span.is_image), None)
-        if image is None:
-            continue
-        body = [t - vocab.image_offset for t in ids[image.body]]
-        if len(body) == n and all(0 <= c < vocab.image_codes for c in body):
-            codes[r] = torch.tensor(body).view(*grid)
-            complete[r] = True
+        image = next((segment for segment in split_segments(ids, vocab, grid) if not isinstance(segment, str)), None)
+        if image is not None:
+            codes[r], complete[r] = image, True
     return codes, complete
 
 
 def _text_before_image(vocab, ids: list[int]) -> str:
-    """The text a row generated before its first image."""
-    spans = vocab.spans(ids)
-    text = ids[spans[0].body] if spans and not spans[0].is_image else []
-    return vocab.decode_text([t for t in text if t != vocab.eos_id]).strip()
+    """The text a row generated before its first image (`generation.split_segments`' text up to the first `<boi>`)."""
+    end = ids.index(vocab.boi_id) if vocab.boi_id in ids else len(ids)
+    return "".join(split_segments(ids[:end], vocab, None)).strip()
 
 
 def image_sampling(settings: GenerateSettings, grid: tuple[int, int], seed: int) -> SamplingConfig:
