@@ -83,13 +83,12 @@ class MixedData:
 
 
 def build_vocab(english: list[str]):
-    """The demo's vocabulary recipe: byte-level BPE on KJV verses + the digit captions, merged with 512 image ids."""
-    from fusion_model.demo.datasets import caption_texts
+    """The demo's vocabulary recipe (its corpus, `train_unified_vocab`): byte-level BPE on KJV verses + the digit
+    captions, merged with 512 image ids."""
+    from fusion_model.demo.datasets import vocab_corpus
     from tokenizer.vocab import train_unified_vocab
 
-    captions = caption_texts()
-    repeat = max(1, sum(map(len, english)) // (2 * sum(map(len, captions))))  # as the demo: captions ~1/3 of text
-    return train_unified_vocab(english + captions * repeat, vocab_size=VOCAB_SIZE, image_codes=IMAGE_CODES)
+    return train_unified_vocab(vocab_corpus(english), vocab_size=VOCAB_SIZE, image_codes=IMAGE_CODES)
 
 
 class ImageCodes:

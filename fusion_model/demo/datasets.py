@@ -109,6 +109,15 @@ def caption_texts() -> list[str]:
     return texts + [CALCULATE, PLUS, EQUALS] * 10 + sums
 
 
+def vocab_corpus(english: list[str]) -> list[str]:
+    """The demo's vocabulary corpus: the English lines, then the captions repeated to about a third of the characters,
+    so that their words become single tokens even in a small vocabulary (short sequences train faster and caption in
+    fewer steps)."""
+    captions = caption_texts()
+    repeat = max(1, sum(map(len, english)) // (2 * sum(map(len, captions))))
+    return english + captions * repeat
+
+
 def arithmetic_pairs(rng: np.random.Generator, count: int) -> np.ndarray:
     """`count` operand pairs (a, b) with a + b <= 9, so the whole sum is one digit image; a sum mod 10 stayed at chance."""
     pairs = np.array([(a, b) for a in range(10) for b in range(10 - a)], dtype=np.int64)

@@ -20,10 +20,10 @@ from fusion_model.demo.datasets import (
     arithmetic_pairs,
     augment_digits,
     caption,
-    caption_texts,
     load_digits,
     pick_by_label,
     to_model_images,
+    vocab_corpus,
     worded_sum,
 )
 from fusion_model.demo.report import to_uint8
@@ -107,12 +107,8 @@ def run_vocab(config: DemoConfig, out_dir: Path, progress: bool = True) -> dict:
     settings, image_settings = config.vocab, config.tokenizer
     codes = ImageTokenizerConfig.from_preset(image_settings.preset, **image_settings.overrides).codebook_size
     english = english_lines(settings.english_lines)
-    # The captions are repeated to about a third of the characters, so that their words become single
-    # tokens even in a small vocabulary (short sequences train faster and caption in fewer steps).
-    captions = caption_texts()
-    repeat = max(1, sum(map(len, english)) // (2 * sum(map(len, captions))))
-    texts = english + captions * repeat
-    vocab = train_unified_vocab(texts, vocab_size=settings.vocab_size, image_codes=codes, show_progress=progress)
+    vocab = train_unified_vocab(vocab_corpus(english), vocab_size=settings.vocab_size, image_codes=codes,
+                                show_progress=progress)
     vocab.save(out_dir / "vocab" / "tokenizer.json")
     example = caption(7, 0)
     return {"vocab_size": vocab.vocab_size, "image_codes": vocab.image_codes, "image_offset": vocab.image_offset,
