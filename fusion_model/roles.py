@@ -24,7 +24,7 @@ NORM = "norm"  # a normalisation's gain or bias (RMSNorm, QK-norm, torch's norm 
 MATRIX = "matrix"  # undeclared, two or more dimensions
 VECTOR = "vector"  # undeclared, fewer than two dimensions (biases, scalar gates)
 
-# the projections whose output is added to the residual stream: GPT-2 scales their initialisation by 1/sqrt(2 L)
+# projections whose output is added to the residual stream (GPT-2 scales their initialisation by 1/sqrt(2 L))
 RESIDUAL_OUTPUTS = frozenset({ATTENTION_OUTPUT, MLP_OUTPUT})
 TORCH_NORMS = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm)
 
@@ -41,7 +41,9 @@ def declared_roles(module: nn.Module) -> dict[str, str]:
     """The roles `module` declares for its own parameters (relative names); a name it does not have raises."""
     declared = getattr(type(module), "PARAMETER_ROLES", None)
     if declared is None:
-        return {name: NORM for name, _ in module.named_parameters(recurse=False)} if isinstance(module, TORCH_NORMS) else {}
+        if isinstance(module, TORCH_NORMS):
+            return {name: NORM for name, _ in module.named_parameters(recurse=False)}
+        return {}
     present = dict(module.named_parameters())
     missing = sorted(set(declared) - set(present))
     if missing:
@@ -52,8 +54,8 @@ def declared_roles(module: nn.Module) -> dict[str, str]:
 def parameter_roles(module: nn.Module) -> list[ParameterRole]:
     """(name, parameter, role) of every parameter of `module`, in `named_parameters` order.
 
-    Names carry whatever wraps the modules (`_orig_mod.` under torch.compile, a Lightning module's attribute),
-    since the roles are looked up module by module; where two modules declare one parameter, the inner one wins.
+    Names carry whatever wraps the modules (`_orig_mod.` under torch.compile, a Lightning module's attribute):
+    the roles are looked up module by module. Where two modules declare one parameter, the inner one wins.
     """
     roles: dict[str, str] = {}
     for prefix, sub in module.named_modules():  # outer modules first
