@@ -17,6 +17,7 @@ from fusion_model.families.chameleon import next_token_objective
 from fusion_model.late_fusion import LateFusionConfig, LateFusionModel, late_layout, set_stage
 from fusion_model.loss import fusion_loss_from_hidden, next_token_targets, target_weights
 from fusion_model.model import FusionModel
+from tokenizer.layout import image_code_mask
 
 IDS_FROM_SHARDS = ("feature_dim", "image_token_id", "boi_id", "eoi_id")
 
@@ -169,8 +170,7 @@ class LateFusionFamily(Family):
         feature_dim = self.options.feature_dim
         per_position = torch.zeros(*ids.shape, feature_dim)
         if per_image:
-            is_code = (ids >= vocab.image_offset) & (ids < vocab.image_offset + vocab.image_codes)
-            per_position[is_code] = torch.cat(per_image)
+            per_position[image_code_mask(ids, vocab.image_offset, vocab.image_codes)] = torch.cat(per_image)
         layout = late_layout(ids, torch.zeros_like(ids), per_position, config=self.options,
                              image_offset=vocab.image_offset, image_codes=vocab.image_codes, pad_id=vocab.pad_id)
         return layout["input_ids"][0].tolist(), layout["features"][: len(per_image)], \
