@@ -20,14 +20,13 @@ import numpy as np
 import torch
 
 from bench.harness import paired_result, time_rounds, write_result
-from fusion_model import sampling
 from fusion_model.demo.bookkeeping import read_marker
 from fusion_model.demo.datasets import caption_prompt, to_model_images
 from fusion_model.demo.evaluate import _image_codes, image_sampling
 from fusion_model.demo.metrics import frechet_distance, per_group_diversity
 from fusion_model.demo.settings import GenerateSettings, load_config
 from fusion_model.demo.stages import digits_for, load_decoder, load_image_tokenizer, load_vocab
-from fusion_model.sampling import generate_ids
+from fusion_model.sampling import generate_ids, speculative
 
 NAME = "speculative"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -100,16 +99,17 @@ def settings_to_measure(demo: GenerateSettings) -> dict[str, GenerateSettings]:
     return dict(zip(SETTINGS, (demo, plain)))
 
 
-def _independent_drafts(new_q, old_drafts, old_q, has_old, uniform, race):
-    """SJD's drafts as published: every forward redraws them from the new proposal, ignoring the old ones."""
-    return sampling._draw(new_q, race)
+def _independent_drafts(new_q, old_drafts, old_q, has_old, uniform, noise):
+    """SJD's drafts as published: every forward redraws them from the new proposal, ignoring the old ones
+    (speculative.coupled_drafts' signature)."""
+    return speculative.draw_from_weights(new_q, noise)
 
 
 def _drafts(coupled: bool):
     """The sampler as it is (coupled drafts), or with independently redrawn drafts for the comparison."""
     if coupled:
         return contextlib.nullcontext()
-    return unittest_mock.patch.object(sampling, "_coupled_drafts", _independent_drafts)
+    return unittest_mock.patch.object(speculative, "coupled_drafts", _independent_drafts)
 
 
 def measure_setting(model, vocab, image_tokenizer, classifier, settings: GenerateSettings, *, seed: int,

@@ -317,6 +317,7 @@ class FusionModel(nn.Module):
     """Decoder-only transformer over the unified text+image vocabulary (untied embedding and head)."""
 
     PARAMETER_ROLES = {"embed.weight": roles.EMBEDDING, "head.weight": roles.OUTPUT_HEAD}
+    supports_kv_cache = True  # the sampler's cached decode path (decode_hidden, new_kv_cache) works
 
     def __init__(self, config: FusionConfig) -> None:
         super().__init__()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import subprocess
+import sys
 import typing
 from pathlib import Path
 
@@ -191,3 +193,44 @@ def test_compile_is_an_option_and_combines_with_speculative_decoding_but_not_wit
             "--no-kv-cache", "--out", str(tmp_path / "x")]
     assert cli.main(argv) == 2
     assert "needs the KV cache" in capsys.readouterr().err
+
+
+# the option of every float field (`float` or `float | None`): each must refuse a non-finite value
+FLOAT_OPTIONS = [f"--{name.replace('_', '-')}" for name, hint in typing.get_type_hints(SamplingConfig).items()
+                 if float in (hint, *typing.get_args(hint))]
+
+
+@pytest.mark.parametrize("flag", FLOAT_OPTIONS)
+def test_every_sampling_number_option_refuses_nan_naming_itself(flag):
+    args = parser().parse_args(["--checkpoint", "x.ckpt", flag, "nan"])
+    with pytest.raises(ValueError, match=f"=nan must be a finite number \\({flag}\\)"):
+        sampling_config(args)
+
+
+@pytest.mark.parametrize("flag, value", [("--cfg-scale", "nan"), ("--cfg-scale", "inf"),
+                                         ("--image-temperature", "nan"), ("--repetition-penalty", "-inf")])
+def test_a_non_finite_sampling_number_exits_2_with_one_line_before_the_model_loads(files, tmp_path, capsys,
+                                                                                    monkeypatch, flag, value):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded before the sampling settings were checked")
+
+    monkeypatch.setattr("fusion_model.cli.generate.load_model", no_loading)
+    argv = ["generate", "--checkpoint", str(files / "model.ckpt"), "--vocab", str(files / "tokenizer.json"),
+            "--image-tokenizer", str(files / "vq"), "--prompt", "the cat", "--mode", "image", f"{flag}={value}",
+            "--out", str(tmp_path / "x")]  # (`--flag=-inf`: argparse reads a bare -inf as an option)
+    assert cli.main(argv) == 2
+    field = flag.removeprefix("--").replace("-", "_")
+    assert capsys.readouterr().err == (
+        f"train.py generate: SamplingConfig.{field}={float(value)!r} must be a finite number ({flag})\n")
+    assert not (tmp_path / "x").exists()
+
+
+def test_train_py_generate_with_cfg_scale_nan_exits_2_with_one_line(files, tmp_path):
+    repo = Path(__file__).resolve().parents[3]
+    argv = [sys.executable, str(repo / "train.py"), "generate", "--checkpoint", str(files / "model.ckpt"),
+            "--vocab", str(files / "tokenizer.json"), "--image-tokenizer", str(files / "vq"), "--prompt", "the cat",
+            "--mode", "image", "--cfg-scale", "nan", "--out", str(tmp_path / "x")]
+    done = subprocess.run(argv, cwd=repo, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2
+    assert done.stderr == "train.py generate: SamplingConfig.cfg_scale=nan must be a finite number (--cfg-scale)\n"
+    assert done.stdout == "" and not (tmp_path / "x").exists()

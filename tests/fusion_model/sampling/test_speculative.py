@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import fusion_model.sampling as speculative  # the SJD loop lives in sampling.py
+import fusion_model.sampling.speculative as speculative  # the SJD step looks its rules up in this module
 from fusion_model.sampling import (
     SamplingConfig,
     build_streams,
@@ -157,28 +157,28 @@ def test_sampled_images_follow_the_plain_samplers_exact_distribution(few_codes_v
     assert p_value > 1e-3, f"{name}: chi-square p = {p_value:.2e}"
 
 
-def accept_every_draft(target, drafts, draft_q, window, uniform, race):
+def accept_every_draft(target, drafts, draft_q, window, uniform, noise):
     rows = torch.arange(len(window))
-    return window.clone(), speculative._draw(target[rows, window], race)
+    return window.clone(), speculative.draw_from_weights(target[rows, window], noise)
 
 
-def replace_from_p(target, drafts, draft_q, window, uniform, race):
-    accepted, _ = correct_verify(target, drafts, draft_q, window, uniform, race)
+def replace_from_p(target, drafts, draft_q, window, uniform, noise):
+    accepted, _ = correct_verify(target, drafts, draft_q, window, uniform, noise)
     rows = torch.arange(len(window))
-    return accepted, speculative._draw(target[rows, accepted], race)
+    return accepted, speculative.draw_from_weights(target[rows, accepted], noise)
 
 
 correct_verify = speculative._verify
-correct_coupling = speculative._coupled_drafts
+correct_coupling = speculative.coupled_drafts
 
 
-def keep_every_old_draft(new_q, old_drafts, old_q, has_old, uniform, race):
+def keep_every_old_draft(new_q, old_drafts, old_q, has_old, uniform, noise):
     """The old draft stays even where the new proposal gives it less mass: the drafts no longer follow q_new."""
-    return torch.where(has_old, old_drafts, correct_coupling(new_q, old_drafts, old_q, has_old, uniform, race))
+    return torch.where(has_old, old_drafts, correct_coupling(new_q, old_drafts, old_q, has_old, uniform, noise))
 
 
 @pytest.mark.parametrize("name, wrong_rule", [("_verify", accept_every_draft), ("_verify", replace_from_p),
-                                              ("_coupled_drafts", keep_every_old_draft)])
+                                              ("coupled_drafts", keep_every_old_draft)])
 def test_the_distribution_test_catches_a_biased_acceptance_rule(few_codes_vocab, monkeypatch, name, wrong_rule):
     monkeypatch.setattr(speculative, name, wrong_rule)
     p_value, _ = sampled_images(few_codes_vocab, SAMPLED["window 2"])
