@@ -59,9 +59,10 @@ def make_user_data(root: Path) -> None:
         box = [rng.randint(5, 25), rng.randint(5, 25), rng.randint(50, 75), rng.randint(50, 75)]
         draw = ImageDraw.Draw(image)
         (draw.ellipse if shape == "circle" else draw.rectangle)(box, fill=COLOURS[colour])
-        image.save(folder / f"shape{index:02d}.png")
+        name = "cat" if index == 0 else f"shape{index:02d}"  # the README's example picture is my_images/cat.png
+        image.save(folder / f"{name}.png")
         caption = f"a {colour} {shape} on a white page"
-        (folder / f"shape{index:02d}.txt").write_text(caption)
+        (folder / f"{name}.txt").write_text(caption)
         sentences.append(f"Here is {caption}. The {shape} is {colour}, drawn by hand.")
     (root / "my_corpus.txt").write_text("\n".join(sentences * 10) + "\n")
 
@@ -74,7 +75,7 @@ def test_the_readme_commands_run_as_written_on_new_data(tmp_path):
     (tmp_path / "configs").symlink_to(REPO / "configs")
     (tmp_path / "train.py").symlink_to(REPO / "train.py")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    outputs, late_fusion = {}, ""
+    outputs, late_fusion, caption = {}, "", ""
     for index, command in enumerate(commands):
         step = step_of(command)
         if step in SKIPPED:
@@ -90,6 +91,8 @@ def test_the_readme_commands_run_as_written_on_new_data(tmp_path):
         outputs.setdefault(step, text)  # the first run of each step (fit runs twice: early, then late fusion)
         if "configs/fusion/late/" in command:
             late_fusion = text
+        if step == "generate" and "runs/late/" in command:
+            caption = text
 
     assert (tmp_path / "runs/tokenizer/tokenizer/config.json").is_file()
     assert "512 image codes" in outputs["vocab"]
@@ -101,6 +104,9 @@ def test_the_readme_commands_run_as_written_on_new_data(tmp_path):
     assert (tmp_path / "out/hf-chameleon/config.json").is_file()
     assert list((tmp_path / "runs/tokens-features").glob("*.features.npy")), "shards tokenize --features"
     assert "done: step 3/3" in late_fusion and (tmp_path / "runs/late/llava-stage1/checkpoints/last.ckpt").is_file()
+    # the late-fusion checkpoint captions the picture through the same generate: text out, no image files
+    assert "prompt: <image: my_images/cat.png>a photo of" in caption and "output: " in caption, caption
+    assert "generate: 1 samples, 0 generated image files" in caption, caption
 
 
 @pytest.mark.parametrize("command", readme_commands())

@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 
-from fusion_model.checkpoint import load_model
 from fusion_model.cli import DefaultsHelpFormatter
-from fusion_model.generation import generate
+from fusion_model.families.loading import load_family
 from fusion_model.sample_output import write_samples
 from fusion_model.sampling import MODES, SamplingConfig
 
@@ -195,7 +194,9 @@ def run(args: argparse.Namespace) -> dict[str, Path]:
     config = sampling_config(args)
     prompts = [p for p in read_prompts(args) for _ in range(args.num_samples)]
     dtype = getattr(torch, args.dtype)
-    model = load_model(args.checkpoint).to(device=args.device, dtype=dtype).eval()
+    loaded = load_family(args.checkpoint)  # any family's checkpoint; the family says how it samples
+    for part in loaded.parts.values():
+        part.to(device=args.device, dtype=dtype).eval()
     bundled_vocab = Path(args.checkpoint) / "tokenizer.json"  # a transformers directory carries its vocabulary
     vocab_path = args.vocab or (bundled_vocab if bundled_vocab.is_file() else None)
     if vocab_path is None:
@@ -206,14 +207,15 @@ def run(args: argparse.Namespace) -> dict[str, Path]:
         from tokenizer.image import ImageTokenizer
 
         image_tokenizer = ImageTokenizer.from_pretrained(args.image_tokenizer, map_location=args.device)
+    loaded.check_tokenizers(vocab, image_tokenizer, where=f"--checkpoint {args.checkpoint}")
     if config.compile:  # otherwise the first batch is silent for the length of the compile
         print("generate: compiling the decode step (once per batch shape and settings; 9-26 s on 2 CPU cores)",
               flush=True)
     samples, ids = [], []
     for k, start in enumerate(range(0, len(prompts), args.batch_size)):
         batch_config = replace(config, seed=config.seed + k)
-        out, new_ids = generate(model, vocab, image_tokenizer, prompts[start : start + args.batch_size], batch_config,
-                                return_ids=True)
+        out, new_ids = loaded.family.generate(loaded.parts, vocab, image_tokenizer,
+                                              prompts[start : start + args.batch_size], batch_config)
         samples += out
         ids += new_ids
     settings = asdict(config) | {"checkpoint": str(args.checkpoint)}

@@ -130,13 +130,14 @@ class LateFusionFamily(Family):
     # ---- sampling: captions of prompt images ------------------------------------------------------------------
     def generate(self, parts: Mapping[str, nn.Module], vocab: Any, image_tokenizer: Any, prompts: list[list[Any]],
                  config: Any) -> tuple[list[list[Any]], list[list[int]]]:
-        """Text after each prompt, its images read through the frozen image tokenizer and the connector (text mode
-        only: a late-fusion decoder writes no images; guidance has no unconditional stream here)."""
+        """Text after each prompt, its images read through the frozen image tokenizer and the connector (text only:
+        a late-fusion decoder writes no images, so interleaved is text; guidance has no unconditional stream here)."""
         from fusion_model.generation import decode_outputs, load_prompt_image
         from fusion_model.sampling import generate_ids
 
-        if config.mode != "text":
-            raise ValueError(f"a {self.name} checkpoint writes text only: use --mode text (not {config.mode!r})")
+        if config.mode == "image":
+            raise ValueError(f"a {self.name} checkpoint writes text only: use --mode text or interleaved, not image")
+        config = dataclasses.replace(config, mode="text")  # interleaved, for a model that writes no images
         if config.cfg_scale != 1.0 or config.cfg_image_scale is not None:
             raise ValueError(f"classifier-free guidance needs image-code streams; a {self.name} checkpoint samples "
                              "without it: leave out --cfg-scale / --cfg-image-scale / --chameleon-defaults")

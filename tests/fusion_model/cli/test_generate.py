@@ -214,7 +214,7 @@ def test_a_non_finite_sampling_number_exits_2_with_one_line_before_the_model_loa
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the sampling settings were checked")
 
-    monkeypatch.setattr("fusion_model.cli.generate.load_model", no_loading)
+    monkeypatch.setattr("fusion_model.cli.generate.load_family", no_loading)
     argv = ["generate", "--checkpoint", str(files / "model.ckpt"), "--vocab", str(files / "tokenizer.json"),
             "--image-tokenizer", str(files / "vq"), "--prompt", "the cat", "--mode", "image", f"{flag}={value}",
             "--out", str(tmp_path / "x")]  # (`--flag=-inf`: argparse reads a bare -inf as an option)
