@@ -451,6 +451,22 @@ class LateFusionConfig:
             stages = sorted(s for kind, s in STAGES if kind == self.kind)
             raise ValueError(f"late_fusion.stage {self.stage}: {self.kind} trains in stage(s) {stages} here")
 
+        def whole(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        for name in ("num_queries", "num_latents", "depth", "heads", "text_len"):
+            if not whole(getattr(self, name)) or getattr(self, name) <= 0:
+                raise ValueError(f"late_fusion.{name}={getattr(self, name)!r} must be a positive integer "
+                                 f"(--model.family_options.{name})")
+        for name in ("connector_dim", "feature_dim"):
+            value = getattr(self, name)
+            if value is not None and (not whole(value) or value <= 0):
+                raise ValueError(f"late_fusion.{name}={value!r} must be a positive integer or null")
+        for name in ("image_token_id", "boi_id", "eoi_id"):
+            value = getattr(self, name)
+            if value is not None and (not whole(value) or value < 0):
+                raise ValueError(f"late_fusion.{name}={value!r} must be a token id (an integer >= 0) or null")
+
     @classmethod
     def from_dict(cls, values: dict) -> LateFusionConfig:
         """From a dict, naming unknown keys."""

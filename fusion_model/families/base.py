@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -43,6 +44,14 @@ class LossSettings:
     text_weight: float = 1.0
     image_weight: float = 1.0
     chunk_size: int = 4096
+
+    def __post_init__(self) -> None:
+        for name, flag in (("text_weight", "text_weight"), ("image_weight", "image_weight")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"--model.{flag}={value!r} must be a finite number >= 0")
+        if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
+            raise ValueError(f"--model.loss_chunk_size={self.chunk_size!r} must be a positive integer")
 
 
 @dataclass

@@ -151,6 +151,9 @@ class LateFusionFamily(Family):
             masks.append(mask)
         bound = BoundImages(self.late, torch.cat(features), torch.cat(masks))
         if not bound.supports_kv_cache:
+            if config.compile:
+                raise ValueError(f"--compile needs the KV cache, which a {self.name} checkpoint cannot use (its text "
+                                 "attends to the images inside every block): leave out --compile")
             config = dataclasses.replace(config, use_kv_cache=False)
         new_ids = generate_ids(bound, vocab, rows, config)
         return decode_outputs(new_ids, vocab, None, None), new_ids

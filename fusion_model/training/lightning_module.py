@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import lightning as L
@@ -42,6 +43,33 @@ def align_batch_progress(trainer: L.Trainer) -> int:
         for loader in loaders:
             loader.resume_shift = 0  # applied once
     return shift
+
+
+def check_recipe(*, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, min_lr_ratio: float,
+                 warmup_steps: int, decay_steps: int | None, objective_seed: int) -> None:
+    """Refuse recipe numbers that would train nothing or NaN (non-finite ones included), naming the option."""
+
+    def number(value: object) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+    def whole(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    rules = [("lr", number(lr) and lr > 0, "a finite number > 0"),
+             ("betas", len(tuple(betas)) == 2 and all(number(b) and 0 <= b < 1 for b in betas),
+              "two numbers in [0, 1)"),
+             ("eps", number(eps) and eps > 0, "a finite number > 0"),
+             ("weight_decay", number(weight_decay) and weight_decay >= 0, "a finite number >= 0"),
+             ("min_lr_ratio", number(min_lr_ratio) and 0 <= min_lr_ratio <= 1, "a number in [0, 1]"),
+             ("warmup_steps", whole(warmup_steps) and warmup_steps >= 0, "an integer >= 0"),
+             ("decay_steps", decay_steps is None or (whole(decay_steps) and decay_steps > 0),
+              "a positive integer or null"),
+             ("objective_seed", whole(objective_seed), "an integer")]
+    values = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "min_lr_ratio": min_lr_ratio,
+              "warmup_steps": warmup_steps, "decay_steps": decay_steps, "objective_seed": objective_seed}
+    for name, ok, rule in rules:
+        if not ok:
+            raise ValueError(f"--model.{name}={values[name]!r} is invalid: it must be {rule}")
 
 
 class FusionLightningModule(L.LightningModule):
@@ -110,6 +138,8 @@ class FusionLightningModule(L.LightningModule):
             config = FusionConfig.from_dict(config)
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite={nonfinite!r}: choose one of {NONFINITE_POLICIES}")
+        check_recipe(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, min_lr_ratio=min_lr_ratio,
+                     warmup_steps=warmup_steps, decay_steps=decay_steps, objective_seed=objective_seed)
         config = dataclasses.replace(config, gradient_checkpointing=config.gradient_checkpointing or activation_checkpointing)
         family, family_options = resolve_family(family, family_options, late_fusion)
         # hparams hold only plain values (the config as a dict) so checkpoints load with weights_only=True

@@ -119,3 +119,24 @@ def test_family_options_are_checked_by_the_family(tokens, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "takes no model.family_options" in err and "depth" in err
     json.dumps(err)  # one printable line
+
+
+@pytest.mark.parametrize("option, value", [("lr", float("nan")), ("lr", 0.0), ("eps", float("inf")),
+                                           ("weight_decay", float("nan")), ("betas", (0.9, float("nan"))),
+                                           ("min_lr_ratio", 2.0), ("warmup_steps", -1), ("text_weight", float("nan")),
+                                           ("image_weight", -1.0), ("loss_chunk_size", 0)])
+def test_every_recipe_setting_is_checked_up_front_non_finite_values_included(option, value):
+    from fusion_model.config import FusionConfig
+    from fusion_model.training.lightning_module import FusionLightningModule
+
+    with pytest.raises(ValueError, match=rf"--model\.{option}="):
+        FusionLightningModule(FusionConfig.from_preset("tiny"), **{option: value})
+
+
+@pytest.mark.parametrize("option, value", [("num_queries", 0), ("depth", -1), ("heads", 2.5), ("text_len", True),
+                                           ("connector_dim", 0), ("feature_dim", -8), ("image_token_id", -1)])
+def test_every_late_fusion_setting_is_checked_up_front(option, value):
+    from fusion_model.late_fusion import LateFusionConfig
+
+    with pytest.raises(ValueError, match=rf"late_fusion\.{option}="):
+        LateFusionConfig(kind="qformer", stage=2, **{option: value})
