@@ -85,11 +85,13 @@ class FusionDataModule(L.LightningDataModule):
         module = self.trainer.lightning_module if self.trainer is not None else None
         # what the model reads beyond ids (the module's `batch_keys`), and how it counts its loss terms
         # (`window_denominators`): duck-typed, since the data layer does not import the model layers
+        wanted = tuple(getattr(module, "batch_keys", ()))
         features = self.image_features
         if features is None:
-            features = "image_features" in tuple(getattr(module, "batch_keys", ()))
+            features = "image_features" in wanted
         stream = PackedTokenStream(directory, self.seq_len, self.batch_size, seed=self.seed, rank=rank,
-                                   world_size=world, shuffle=shuffle, image_features=features)
+                                   world_size=world, shuffle=shuffle, image_features=features,
+                                   token_keys="token_keys" in wanted)
         window = self.trainer.accumulate_grad_batches if training and self.trainer is not None else 1
         return make_dataloader(stream, num_workers=num_workers, window=window,
                                count=getattr(module, "window_denominators", None))

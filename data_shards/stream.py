@@ -114,7 +114,9 @@ class PackedTokenStream(IterableDataset):
     """Batches {input_ids, document_ids, position_ids} (LongTensors (B, T)) from a token shard directory.
 
     With `image_features`, batches also hold `image_features` (B, T, C) float32: each image-code position's
-    pre-quantisation feature (zeros elsewhere), from shards tokenized with `--features`.
+    pre-quantisation feature (zeros elsewhere), from shards tokenized with `--features`. With `token_keys`, they hold
+    `token_keys` (B, T) int64: each token's identity in the dataset, shard index x 2^40 + its offset in the shard's
+    ids (-1 for padding), the same whatever the rank, row or epoch: what an objective keys its randomness by.
 
     One pass is one epoch of `len(self)` batches for this rank; `set_epoch(e)` chooses the shuffle.
     Use `make_dataloader` for exact resume with workers (and under Lightning).
@@ -132,6 +134,7 @@ class PackedTokenStream(IterableDataset):
         shuffle: bool = True,
         check_ids: bool = True,
         image_features: bool = False,
+        token_keys: bool = False,
     ) -> None:
         super().__init__()
         if seq_len < 1 or batch_size < 1:
@@ -139,6 +142,7 @@ class PackedTokenStream(IterableDataset):
         self.token_dir = Path(token_dir)
         self.manifest = read_manifest(token_dir)
         self.image_features = image_features
+        self.token_keys = token_keys
         if image_features and not self.manifest.get("feature_dim"):
             raise ShardError(f"{self.token_dir} holds no image features (late-fusion models read them): re-run "
                              "`train.py shards tokenize --features` into a fresh directory")
@@ -343,6 +347,7 @@ class PackedTokenStream(IterableDataset):
         input_ids = np.full((b, t), self.pad_id, dtype=np.int64)
         document_ids = np.full((b, t), -1, dtype=np.int64)
         position_ids = np.zeros((b, t), dtype=np.int64)
+        keys = np.full((b, t), -1, dtype=np.int64) if self.token_keys else None
         features = None
         if self.image_features:
             features = np.zeros((b, t, int(self.manifest["feature_dim"])), dtype=np.float32)
@@ -361,6 +366,8 @@ class PackedTokenStream(IterableDataset):
                 input_ids[i, cursor : cursor + length] = chunk
                 document_ids[i, cursor : cursor + length] = doc
                 position_ids[i, cursor : cursor + length] = np.arange(length)
+                if keys is not None:
+                    keys[i, cursor : cursor + length] = (int(self.piece_shard[piece]) << 40) + start + np.arange(length)
                 if features is not None:
                     at = np.flatnonzero(image_code_mask(chunk, image_offset, image_codes))
                     features[i, cursor + at] = shard.image_features(start, start + length, image_offset, image_codes)
@@ -372,6 +379,8 @@ class PackedTokenStream(IterableDataset):
         }
         if features is not None:
             batch["image_features"] = torch.from_numpy(features)
+        if keys is not None:
+            batch["token_keys"] = torch.from_numpy(keys)
         return batch
 
     def __iter__(self):

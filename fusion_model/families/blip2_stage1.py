@@ -17,10 +17,12 @@ from fusion_model.qformer_pretraining import QFormerPretrainer, caption_pairs
 class Blip2Stage1Family(LateFusionFamily):
     """BLIP-2's representation stage on the shards' one-image documents (image-text pairs): image-text
     contrastive, matching with hard negatives and image-grounded generation through the Q-Former's own layers. The
-    decoder is built (and checkpointed, frozen) but never run; stage 2 (`qformer`) starts from this connector."""
+    decoder is built (and checkpointed, frozen) but never run; stage 2 (`qformer`) starts from this connector.
+    The hard negatives are drawn from a generator keyed by the step and the batch's samples (their token keys)."""
 
     name = "blip2-stage1"
     kind = "qformer"
+    batch_keys = ("image_features", "token_keys")
 
     def __init__(self, config: FusionConfig, options: Any = None, losses: LossSettings | None = None) -> None:
         values = dict(options or {}) if isinstance(options, Mapping) or options is None else options
@@ -59,14 +61,17 @@ class Blip2Stage1Family(LateFusionFamily):
     def objective(self, parts: Mapping[str, nn.Module], batch: Mapping[str, torch.Tensor],
                   context: ObjectiveContext) -> Objective:
         """ITC + ITM + ITG of the batch's pairs, one term counted in pairs; the hard negatives are drawn from a
-        generator keyed by the step and the batch's pairs, not from the rank's random state."""
+        generator keyed by the step and the batch's samples, not from the rank's random state."""
         pairs = self._pairs(batch)
         zero = batch["image_features"].new_zeros(())
         if pairs is None:  # nothing to contrast: a zero loss that still reaches every trainable weight
             loss = sum(p.sum() for part in parts.values() for p in part.parameters() if p.requires_grad) * 0.0
             return Objective(terms={"loss": LossTerm(loss, zero)},
                              metrics={name: (zero, 0) for name in ("itc", "itm", "itg", "itc_accuracy")})
-        generator = context.generator(pairs["text_ids"][pairs["text_mask"]], "itm_negatives",
+        if "token_keys" not in batch:
+            raise ValueError("the blip2-stage1 family keys its hard negatives by the batch's samples: its batches "
+                             "need token_keys (FusionDataModule adds them when the family asks)")
+        generator = context.generator(batch["token_keys"][batch["document_ids"] >= 0], "itm_negatives",
                                       device=pairs["text_ids"].device)
         out = parts["stage1_heads"](pairs["features"], pairs["text_ids"], pairs["text_mask"], pairs["feature_mask"],
                                     pair_ids=pairs["pair_ids"], generator=generator)

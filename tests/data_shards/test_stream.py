@@ -206,3 +206,25 @@ def test_packed_logits_equal_each_document_run_alone_in_the_model(tmp_path, tok)
                 where = doc[row] == d
                 alone = model(batch["input_ids"][row][where][None])
                 torch.testing.assert_close(packed[row][where], alone[0], rtol=1e-4, atol=1e-4)
+
+
+def test_token_keys_name_each_token_once_whatever_the_rank_or_epoch(tmp_path, tok):
+    token_dir = tok.make_token_dir(tmp_path / "tokens", tok.make_documents(30))
+
+    def keys_to_ids(world_size: int, epoch: int) -> dict[int, int]:
+        found: dict[int, int] = {}
+        for rank in range(world_size):
+            stream = PackedTokenStream(token_dir, 16, 2, seed=1, rank=rank, world_size=world_size, token_keys=True)
+            stream.set_epoch(epoch)
+            for batch in stream:
+                real = batch["document_ids"] >= 0
+                assert bool((batch["token_keys"][~real] == -1).all())
+                for key, token in zip(batch["token_keys"][real].tolist(), batch["input_ids"][real].tolist()):
+                    assert found.setdefault(key, token) == token  # one key, one token
+        return found
+
+    one = keys_to_ids(1, 0)
+    assert len(one) == sum(len(d) for d in tok.make_documents(30))  # every token has its own key
+    assert keys_to_ids(2, 1) == one  # the same keys on 2 ranks, in another epoch's order
+    plain = next(iter(PackedTokenStream(token_dir, 16, 2, seed=1, rank=0, world_size=1)))
+    assert "token_keys" not in plain

@@ -3,7 +3,7 @@
 It is named by dotted path (`--model.family toy_family:ToyFamily`) with this folder on PYTHONPATH: no project
 file lists it. Term `next_token` is counted in targets, term `noise` in documents, so gradient accumulation is
 exact only if each term is divided by its own count over the whole step; the noise is keyed by the step and each
-document's first token, so it does not depend on which rank or micro-batch the document lands in.
+document's first token key (its identity in the dataset), so it does not depend on which rank or micro-batch the document lands in.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class ToyFamily(Family):
 
     name = "toy"
     Options = ToyOptions
+    batch_keys = ("token_keys",)
 
     def build(self) -> dict[str, nn.Module]:
         return {"model": ToyModel(self.config.vocab_size)}
@@ -64,9 +65,9 @@ class ToyFamily(Family):
         valid = (documents[:, :-1] == documents[:, 1:]) & (documents[:, :-1] >= 0)
         ce = F.cross_entropy(model.head(hidden[:, :-1][valid]), ids[:, 1:][valid], reduction="sum")
         starts = self._documents(batch)
-        # one noise vector per document, keyed by its first token's id and position in the row's data: the same
+        # one noise vector per document (piece), keyed by its first token's identity in the dataset: the same
         # document gets the same noise wherever it is batched
-        keys = ids[starts] * 1_000_003 + batch["position_ids"][starts]
+        keys = batch["token_keys"][starts]
         noise = context.normal(keys, "toy_noise", draws=hidden.shape[-1])
         mse = F.mse_loss(hidden[starts], noise, reduction="sum") / hidden.shape[-1]
         return Objective(terms={"next_token": LossTerm(ce, valid.sum()),
