@@ -115,7 +115,10 @@ FIT_HELP = (
     RUNTIME_OPTIONS_HELP + " Taken from the inputs when model.config leaves them out: vocab_size, image_offset and "
     "image_codes (the token shards' manifest, else --vocab), max_seq_len (raised to data.seq_len). "
     "--trainer.max_time without max_steps fits the lr schedule to the time budget. Logs go to "
-    "<default_root_dir>/tb and /csv, checkpoints to <default_root_dir>/checkpoints."
+    "<default_root_dir>/tb and /csv, checkpoints to <default_root_dir>/checkpoints. "
+    "--model.family chooses what is trained around the decoder: chameleon (default), llava, qformer, blip2-stage1, "
+    "flamingo, or your own as package.module:Class (CONTRIBUTING.md, 'How to add a model family'), with its options "
+    "in --model.family_options '{...}'; --model.late_fusion '{kind: llava, stage: 1}' is the older spelling."
 )
 STEPS_UNTIL_MEASURED = 1_000_000  # trainer.max_steps under a time budget until TimeBudget has measured the rate
 
