@@ -213,6 +213,9 @@ class FusionLightningModule(L.LightningModule):
         (`window_denominators`), or this micro-batch's own when nothing is accumulated."""
         window = batch.get("window_denominators")
         if window is not None:
+            if set(window) != set(objective.terms):
+                raise ValueError(f"the {self.family.name} family's denominators() counts {sorted(window)} but its "
+                                 f"objective returns the terms {sorted(objective.terms)}: they must name the same terms")
             return torch.stack([window[name].float().reshape(()) for name in objective.terms]).to(self.device)
         if self.trainer.accumulate_grad_batches > 1:
             raise ValueError(
