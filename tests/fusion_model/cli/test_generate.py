@@ -10,7 +10,6 @@ import sys
 import typing
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -21,27 +20,22 @@ from fusion_model.cli.generate import add_sampling_options, describe_samples, ma
 from fusion_model.config import FusionConfig
 from fusion_model.model import FusionModel
 from fusion_model.sampling import SamplingConfig
-from tokenizer.image import ImageTokenizer, ImageTokenizerConfig
 from tokenizer.vocab import train_unified_vocab
 
 CORPUS = ["the cat sat on the mat", "a dog ran far away", "one two three four five six seven"] * 10
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    """A tiny vocabulary, decoder checkpoint and image tokenizer (2x2 codes of 16) on disk."""
-    root = tmp_path_factory.mktemp("generate")
-    vocab = train_unified_vocab(CORPUS, vocab_size=320, image_codes=16, num_specials=16)
-    vocab.save(root / "tokenizer.json")
+def files(tiny_tokenizers):
+    """The shared tiny vocabulary and image tokenizer (2x2 codes of 16; tests/fusion_model/conftest.py), and a
+    decoder checkpoint beside them."""
+    from tokenizer.vocab import UnifiedVocab
+
+    vocab = UnifiedVocab.load(tiny_tokenizers / "tokenizer.json")
     torch.manual_seed(0)
     config = FusionConfig.from_preset("tiny", vocab_size=320, image_offset=vocab.image_offset, image_codes=16, max_seq_len=48)
-    save_model(FusionModel(config), root / "model.ckpt")
-    vq = ImageTokenizerConfig(image_size=8, base_channels=8, channel_multiplier=(1, 1, 1), num_res_blocks=1,
-                              latent_channels=8, norm_groups=4, codebook_size=16)
-    ImageTokenizer(vq).save_pretrained(root / "vq")
-    photo = root / "photo.png"
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (10, 10, 3), dtype=np.uint8)).save(photo)
-    return root
+    save_model(FusionModel(config), tiny_tokenizers / "model.ckpt")
+    return tiny_tokenizers
 
 
 def test_help_explains_every_option():

@@ -4,38 +4,26 @@ refused."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
 from fusion_model import cli
 from fusion_model.config import FusionConfig
 from fusion_model.families.loading import load_family
 from fusion_model.sampling import SamplingConfig
 from fusion_model.training.lightning_module import FusionLightningModule
-from tokenizer.image import ImageTokenizer, ImageTokenizerConfig
-from tokenizer.vocab import train_unified_vocab
-
-CORPUS = ["the cat sat on the mat", "a dog ran far away", "one two three four five six seven"] * 10
+from tokenizer.image import ImageTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py: one torch thread, restored after
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    """A tiny vocabulary, image tokenizer (2x2 codes of 16) and a picture on disk."""
-    root = tmp_path_factory.mktemp("late-generate")
-    vocab = train_unified_vocab(CORPUS, vocab_size=320, image_codes=16, num_specials=16)
-    vocab.save(root / "tokenizer.json")
-    torch.manual_seed(0)
-    vq = ImageTokenizerConfig(image_size=8, base_channels=8, channel_multiplier=(1, 1, 1), num_res_blocks=1,
-                              latent_channels=8, norm_groups=4, codebook_size=16)
-    ImageTokenizer(vq).save_pretrained(root / "vq")
+def files(tiny_tokenizers, tiny_vq_config):
+    """The shared tiny vocabulary, image tokenizer and photo (tests/fusion_model/conftest.py), and a second image
+    tokenizer with other weights."""
     torch.manual_seed(1)
-    ImageTokenizer(vq).save_pretrained(root / "other-vq")
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (10, 10, 3), dtype=np.uint8)).save(root / "photo.png")
-    return root
+    ImageTokenizer(tiny_vq_config).save_pretrained(tiny_tokenizers / "other-vq")
+    return tiny_tokenizers
 
 
 def late_checkpoint(files, family: str, **options) -> str:
