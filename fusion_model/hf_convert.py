@@ -4,7 +4,6 @@ tokenizer and processor, so one `from_pretrained` loads an export that generates
 from __future__ import annotations
 
 import json
-import pickle
 import shutil
 import tempfile
 from pathlib import Path
@@ -13,7 +12,7 @@ import torch
 
 from fusion_model.config import FusionConfig
 from fusion_model.model import FusionModel
-from tokenizer.files import atomic_path, atomic_write_text, replace_directory
+from tokenizer.files import atomic_path, atomic_write_text, load_checkpoint_file, replace_directory
 from tokenizer.vocab import BOS, EOS, PAD, UnifiedVocab, image_code_of_name, image_token_name, text_mode_mask
 
 # A placeholder VQ encoder for exports without an image tokenizer: transformers always builds one, and
@@ -301,10 +300,10 @@ def to_transformers(
 
 
 # What a folder that transformers cannot load raises from `from_pretrained`: a missing or unreadable file
-# (OSError), a bad config (ValueError, KeyError), a weights file that is not a plain tensor pickle (refused by
-# torch.load's weights_only: UnpicklingError) or is truncated (EOFError, RuntimeError, safetensors' error).
-LOAD_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, KeyError, EOFError, RuntimeError,
-                                                pickle.UnpicklingError)
+# (OSError), a bad config (ValueError, KeyError), a truncated weights file (EOFError, RuntimeError, safetensors'
+# error). `*.bin` weights are read first through the project's one safe loader (weights_only), so a file that is
+# not a plain tensor pickle is refused there, before transformers reads it.
+LOAD_ERRORS: tuple[type[BaseException], ...] = (OSError, ValueError, KeyError, EOFError, RuntimeError)
 LOAD_FIX = ("give a folder written by `train.py convert export` or by transformers' save_pretrained, with config.json "
             "(including vocabulary_map) and model.safetensors")
 
@@ -315,12 +314,22 @@ def _one_line(error: BaseException) -> str:
     return line.split(". ")[0].rstrip(".")
 
 
-def _load_reason(path: Path, error: BaseException) -> str:
+def _check_pickled_weights(path: Path) -> None:
+    """Refuse a `*.bin` weights file that is not a plain tensor pickle, through tokenizer.files' safe loader (weights
+    only, tensors on the meta device: nothing is materialised), with one line naming the file."""
+    for weights in sorted(path.glob("*.bin")):
+        try:
+            load_checkpoint_file(weights, map_location="meta")
+        except ValueError as error:
+            refused = error.__cause__ or error  # torch's refusal, a paragraph around the reason
+            reason = _one_line(refused.__cause__ or refused.__context__ or refused)
+            raise ValueError(f"{path}: transformers could not load this Chameleon folder ({weights.name} is not a "
+                             f"plain tensor pickle; torch.load(weights_only=True) refused it: {reason}); "
+                             f"{LOAD_FIX}") from error
+
+
+def _load_reason(error: BaseException) -> str:
     """Why transformers could not load a folder, in a few words."""
-    if isinstance(error, pickle.UnpicklingError):  # torch.load(weights_only=True) wraps the refusal in a paragraph
-        files = ", ".join(sorted(p.name for p in path.glob("*.bin"))) or "its weights file"
-        refusal = _one_line(error.__cause__ or error.__context__ or error)
-        return f"{files} is not a plain tensor pickle; torch.load(weights_only=True) refused it: {refusal}"
     return f"{type(error).__name__}: {_one_line(error)}"
 
 
@@ -340,11 +349,12 @@ def load_transformers_folder(path, output_loading_info: bool = False):
         raise ValueError(
             f"{path}: config.json has no vocabulary_map (the token name -> id map transformers' Chameleon needs); "
             f"{LOAD_FIX}")
+    _check_pickled_weights(path)
     try:
         return ChameleonForConditionalGeneration.from_pretrained(
             path, local_files_only=True, dtype=torch.float32, output_loading_info=output_loading_info)
     except (*LOAD_ERRORS, SafetensorError) as error:
-        raise ValueError(f"{path}: transformers could not load this Chameleon folder ({_load_reason(path, error)}); "
+        raise ValueError(f"{path}: transformers could not load this Chameleon folder ({_load_reason(error)}); "
                          f"{LOAD_FIX}") from error
 
 
