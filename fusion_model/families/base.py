@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -188,7 +189,7 @@ def data_parallel_mesh(mesh: Any) -> Any:
     return dp_mesh
 
 
-class Family:
+class Family(ABC):
     """A model family: its parts, its objective, how it is parallelised, sampled and saved.
 
     Subclass, set `name` (and `Options`, a frozen dataclass with `from_dict`, when the family has options), and
@@ -229,21 +230,23 @@ class Family:
 
     @classmethod
     def derive_options(cls, options: dict, manifest: Mapping[str, Any], vocab: Any | None) -> None:
-        """Fill options the token shards' manifest (or the vocabulary) already fix; called by `train.py fit`."""
+        """Fill options the token shards' manifest (or the vocabulary) already fix; called by `train.py fit`.
+        The default fills nothing."""
+        return None
 
     def options_dict(self) -> dict:
         """The options as plain values (stored in checkpoints)."""
         return dataclasses.asdict(self.options) if dataclasses.is_dataclass(self.options) else dict(self.options)
 
     # ---- training ---------------------------------------------------------------------------------------------
+    @abstractmethod
     def build(self) -> dict[str, nn.Module]:
         """The trainable parts, by the name each is registered (and checkpointed) under."""
-        raise NotImplementedError
 
+    @abstractmethod
     def objective(self, parts: Mapping[str, nn.Module], batch: Mapping[str, torch.Tensor],
                   context: ObjectiveContext) -> Objective:
         """Loss terms (each with its own count), metrics and decoder positions of one micro-batch."""
-        raise NotImplementedError
 
     def denominators(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
         """Each term's count computed from the batch alone, without a forward (the same numbers `objective`
@@ -252,10 +255,15 @@ class Family:
         return None
 
     def set_mode(self, parts: Mapping[str, nn.Module], training: bool) -> None:
-        """Train/eval mode of the parts before a forward (a frozen part stays in eval mode)."""
+        """Train/eval mode of the parts before a forward (a frozen part stays in eval mode); the default sets every
+        part to `training`."""
+        for part in parts.values():
+            part.train(training)
 
     def start_new_run(self, parts: Mapping[str, nn.Module]) -> None:
-        """Load what a new run starts from (e.g. an earlier stage's weights); not called on resume."""
+        """Load what a new run starts from (e.g. an earlier stage's weights); not called on resume. The default
+        loads nothing."""
+        return None
 
     def compile(self, parts: Mapping[str, nn.Module]) -> None:
         """torch.compile in place (parameter names unchanged): every block of a decoder part."""

@@ -33,7 +33,7 @@ class DecodableModel(Protocol):
 
     `supports_kv_cache` (a class attribute) says whether the cached path works: a model that can only recompute
     the whole sequence sets it False, and then `generate_ids` refuses `use_kv_cache=True` (its `decode_hidden` and
-    `new_kv_cache` are never called and may raise NotImplementedError).
+    `new_kv_cache` are then never called).
 
     `check_decodable` checks a model against this protocol member by member; `isinstance(model, DecodableModel)`
     is not that check: from Python 3.12 it looks members up statically and misses a torch module's submodules
