@@ -28,6 +28,15 @@ def target_weights(targets: torch.Tensor, image_offset: int | None, image_codes:
     return is_image, weights
 
 
+def target_counts(input_ids: torch.Tensor, document_ids: torch.Tensor, image_offset: int | None,
+                  image_codes: int | None, ignore_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(text targets, image targets) of a packed batch: what the loss counts, found without a forward."""
+    targets, valid = next_token_targets(input_ids, document_ids, ignore_id)
+    is_image, _ = target_weights(targets[valid], image_offset, image_codes, 1.0, 1.0)
+    n_image = is_image.sum()
+    return is_image.numel() - n_image, n_image
+
+
 def _summarise(ce: torch.Tensor, lse: torch.Tensor, is_image: torch.Tensor, weights: torch.Tensor,
                z_loss_coef: float) -> dict:
     """Reduce per-target CE and log Z (all valid targets, flat) to the loss dictionary."""

@@ -54,6 +54,10 @@ class LossSettings:
         if isinstance(self.chunk_size, bool) or not isinstance(self.chunk_size, int) or self.chunk_size <= 0:
             raise ValueError(f"--model.loss_chunk_size={self.chunk_size!r} must be a positive integer")
 
+    def weighted_count(self, n_text: torch.Tensor, n_image: torch.Tensor) -> torch.Tensor:
+        """The modality-weighted number of next-token targets: the denominator of the next-token loss."""
+        return (n_text * self.text_weight + n_image * self.image_weight).float()
+
 
 @dataclass
 class LossTerm:

@@ -8,8 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion_model.families.base import Family, LossTerm, Objective, ObjectiveContext
-from fusion_model.loss import next_token_targets, target_weights
+from fusion_model.families.base import Family, LossSettings, LossTerm, Objective, ObjectiveContext
+from fusion_model.loss import target_counts
 from fusion_model.model import FusionModel
 
 
@@ -27,13 +27,9 @@ class ChameleonFamily(Family):
 
     def denominators(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The modality-weighted number of next-token targets (what `objective` divides the loss sum by)."""
-        targets, valid = next_token_targets(batch["input_ids"], batch["document_ids"])
-        is_image, _ = target_weights(targets[valid], self.config.image_offset, self.config.image_codes,
-                                     self.losses.text_weight, self.losses.image_weight)
-        return {"loss": self._weighted_count(is_image.numel() - is_image.sum(), is_image.sum())}
-
-    def _weighted_count(self, n_text: torch.Tensor, n_image: torch.Tensor) -> torch.Tensor:
-        return (n_text * self.losses.text_weight + n_image * self.losses.image_weight).float()
+        counts = target_counts(batch["input_ids"], batch["document_ids"], self.config.image_offset,
+                               self.config.image_codes)
+        return {"loss": self.losses.weighted_count(*counts)}
 
     def objective(self, parts: Mapping[str, nn.Module], batch: Mapping[str, torch.Tensor],
                   context: ObjectiveContext) -> Objective:
@@ -42,8 +38,7 @@ class ChameleonFamily(Family):
                                   text_weight=self.losses.text_weight, image_weight=self.losses.image_weight,
                                   chunk_size=self.losses.chunk_size)
         positions = (batch["document_ids"] >= 0).sum()
-        return next_token_objective(out, self._weighted_count(out["n_text_targets"], out["n_image_targets"]),
-                                    positions)
+        return next_token_objective(out, self.losses, positions)
 
     def generate(self, parts: Mapping[str, nn.Module], vocab: Any, image_tokenizer: Any, prompts: list[list[Any]],
                  config: Any) -> tuple[list[list[Any]], list[list[int]]]:
@@ -53,11 +48,12 @@ class ChameleonFamily(Family):
         return generate(parts["model"], vocab, image_tokenizer, prompts, config, return_ids=True)
 
 
-def next_token_objective(out: Mapping[str, torch.Tensor], weighted_count: torch.Tensor,
+def next_token_objective(out: Mapping[str, torch.Tensor], losses: LossSettings,
                          positions: torch.Tensor | int) -> Objective:
     """The Objective of `fusion_loss`'s output: one term `loss` (mean x weighted count = its sum), and the
     CE, z-loss and per-modality losses as metrics (logged as train/ce, train/text_loss, ...)."""
     n_text, n_image = out["n_text_targets"], out["n_image_targets"]
+    weighted_count = losses.weighted_count(n_text, n_image)
     weight = weighted_count.clamp_min(1)
     return Objective(
         terms={"loss": LossTerm(out["loss"] * weighted_count, weighted_count)},

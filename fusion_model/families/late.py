@@ -15,7 +15,7 @@ from fusion_model.config import FusionConfig
 from fusion_model.families.base import Family, LossSettings, Objective, ObjectiveContext
 from fusion_model.families.chameleon import next_token_objective
 from fusion_model.late_fusion import LateFusionConfig, LateFusionModel, late_layout, set_stage
-from fusion_model.loss import fusion_loss_from_hidden, next_token_targets, target_weights
+from fusion_model.loss import fusion_loss_from_hidden, target_counts
 from fusion_model.model import FusionModel
 from tokenizer.layout import image_code_mask
 
@@ -94,16 +94,12 @@ class LateFusionFamily(Family):
         return late_layout(batch["input_ids"], batch["document_ids"], batch["image_features"], config=self.options,
                            image_offset=self.config.image_offset, image_codes=self.config.image_codes)
 
-    def _weighted_count(self, n_text: torch.Tensor, n_image: torch.Tensor) -> torch.Tensor:
-        return (n_text * self.losses.text_weight + n_image * self.losses.image_weight).float()
-
     def denominators(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The weighted next-token targets of the re-laid-out batch (placeholders carry none)."""
         layout = self.layout(batch)
-        targets, valid = next_token_targets(layout["input_ids"], layout["document_ids"], self.options.image_token_id)
-        is_image, _ = target_weights(targets[valid], self.config.image_offset, self.config.image_codes,
-                                     self.losses.text_weight, self.losses.image_weight)
-        return {"loss": self._weighted_count(is_image.numel() - is_image.sum(), is_image.sum())}
+        counts = target_counts(layout["input_ids"], layout["document_ids"], self.config.image_offset,
+                               self.config.image_codes, self.options.image_token_id)
+        return {"loss": self.losses.weighted_count(*counts)}
 
     def objective(self, parts: Mapping[str, nn.Module], batch: Mapping[str, torch.Tensor],
                   context: ObjectiveContext) -> Objective:
@@ -124,8 +120,7 @@ class LateFusionFamily(Family):
             chunk_size=self.losses.chunk_size, ignore_id=self.options.image_token_id,
         )
         positions = (layout["document_ids"] >= 0).sum()
-        return next_token_objective(out, self._weighted_count(out["n_text_targets"], out["n_image_targets"]),
-                                    positions)
+        return next_token_objective(out, self.losses, positions)
 
     # ---- sampling: captions of prompt images ------------------------------------------------------------------
     def generate(self, parts: Mapping[str, nn.Module], vocab: Any, image_tokenizer: Any, prompts: list[list[Any]],
