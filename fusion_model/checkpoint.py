@@ -24,16 +24,28 @@ def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu"
         from fusion_model.hf_convert import from_transformers, load_transformers_folder
 
         return from_transformers(load_transformers_folder(path)).to(map_location)
+    checkpoint = read_checkpoint(path, map_location)
+    model = FusionModel(FusionConfig.from_dict(checkpoint["hyper_parameters"]["config"]))
+    model.load_state_dict(part_weights(checkpoint["state_dict"], "model"))
+    return model
+
+
+def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict:
+    """A checkpoint file's contents (weights_only), refused with a sentence unless it holds `state_dict` and
+    hyper_parameters['config'] (what `fit` and `save_model` write)."""
     checkpoint = load_checkpoint_file(path, map_location=map_location)
     config = (checkpoint.get("hyper_parameters") or {}).get("config")
     if not isinstance(config, dict) or "state_dict" not in checkpoint:
         raise ValueError(f"{path} is not a fusion checkpoint (expected 'state_dict' and hyper_parameters['config'])")
-    model = FusionModel(FusionConfig.from_dict(config))
-    # a torch.compile'd model saves its weights under "_orig_mod."
-    state = {k[len("model."):].replace("_orig_mod.", ""): v for k, v in checkpoint["state_dict"].items()
-             if k.startswith("model.")}
-    model.load_state_dict(state)
-    return model
+    return checkpoint
+
+
+def part_weights(state_dict: dict[str, torch.Tensor], part: str) -> dict[str, torch.Tensor]:
+    """The weights saved under `<part>.` (e.g. `model`, `connector`), without that prefix; a torch.compile'd part
+    saved its weights under "_orig_mod.", which is dropped too."""
+    prefix = part + "."
+    return {key[len(prefix):].replace("_orig_mod.", ""): value for key, value in state_dict.items()
+            if key.startswith(prefix)}
 
 
 def save_model(model: FusionModel, path: str | os.PathLike) -> Path:
@@ -70,9 +82,7 @@ def checkpoint_config(path: str | os.PathLike) -> FusionConfig:
 
 def connector_weights(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The late-fusion connector's weights in a `train.py fit` checkpoint of an earlier stage (`connector.*`)."""
-    state = load_checkpoint_file(path).get("state_dict") or {}
-    weights = {name.removeprefix("connector."): value for name, value in state.items()
-               if name.startswith("connector.")}
+    weights = part_weights(load_checkpoint_file(path).get("state_dict") or {}, "connector")
     if not weights:
         raise ValueError(f"{path} holds no late-fusion connector (no connector.* weights): give a checkpoint written "
                          "by `train.py fit` with --model.late_fusion (e.g. the last.ckpt of stage 1)")

@@ -11,12 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion_model.checkpoint import load_model
+from fusion_model.checkpoint import load_model, part_weights, read_checkpoint
 from fusion_model.config import FusionConfig
 from fusion_model.families import family_class, resolve_family
 from fusion_model.families.base import Family, LossSettings
 from fusion_model.families.chameleon import ChameleonFamily
-from tokenizer.files import load_checkpoint_file
 
 
 @dataclass
@@ -47,22 +46,16 @@ def load_family(path: str | os.PathLike, map_location: str | torch.device = "cpu
     if path.is_dir():
         model = load_model(path, map_location=map_location).eval()
         return LoadedFamily(ChameleonFamily(model.config), {"model": model})
-    checkpoint = load_checkpoint_file(path, map_location=map_location)
-    hparams = checkpoint.get("hyper_parameters") or {}
-    if not isinstance(hparams.get("config"), dict) or "state_dict" not in checkpoint:
-        raise ValueError(f"{path} is not a fusion checkpoint (expected 'state_dict' and hyper_parameters['config'])")
+    checkpoint = read_checkpoint(path, map_location)
+    hparams = checkpoint["hyper_parameters"]
     config = FusionConfig.from_dict(hparams["config"])
     name, options = resolve_family(hparams.get("family"), hparams.get("family_options"), hparams.get("late_fusion"))
     losses = LossSettings(text_weight=hparams.get("text_weight", 1.0), image_weight=hparams.get("image_weight", 1.0))
     family = family_class(name)(config, options, losses)
     parts = family.build()
-    # a torch.compile'd part saves its weights under "_orig_mod."
-    state = {key.replace("_orig_mod.", ""): value for key, value in checkpoint["state_dict"].items()}
     for part_name, part in parts.items():
-        prefix = part_name + "."
-        weights = {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
         try:
-            part.load_state_dict(weights)
+            part.load_state_dict(part_weights(checkpoint["state_dict"], part_name))
         except RuntimeError as error:
             raise ValueError(f"{path}: the {name} family's {part_name} does not match the checkpoint's weights "
                              f"({str(error).splitlines()[0]})") from error
