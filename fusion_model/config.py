@@ -6,8 +6,10 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict, get_type_hints
+
+from fusion_model.blocks import block_class
 
 NORM_PLACEMENTS = ("pre", "swin")
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "xformers")
@@ -41,6 +43,8 @@ class FusionConfig:
     image_codes: int | None = None
     init_std: float = 0.02
     gradient_checkpointing: bool = False  # recompute each block in backward (memory for speed)
+    block: str = "dense"  # the layer class by name (fusion_model.blocks): "dense", "mot", or "package.module:Class"
+    block_options: dict[str, Any] = field(default_factory=dict)  # the block's own settings (e.g. mot's parts)
 
     def __post_init__(self) -> None:
         self._check_field_values()
@@ -65,6 +69,7 @@ class FusionConfig:
                 f"FusionConfig: image block [{self.image_offset}, {self.image_offset + self.image_codes}) "
                 f"does not fit in vocab_size {self.vocab_size}"
             )
+        block_class(self.block).check_config(self)
 
     def _check_field_values(self) -> None:
         """Check each field on its own: sizes positive ints, rates in range, switches bools."""
@@ -98,6 +103,10 @@ class FusionConfig:
         for name in ("qk_norm", "image_bidirectional", "gradient_checkpointing"):
             if not isinstance(getattr(self, name), bool):
                 fail(name, "it must be true or false")
+        if not isinstance(self.block, str) or not self.block:
+            fail("block", "it must be a block name")
+        if not isinstance(self.block_options, Mapping) or not all(isinstance(k, str) for k in self.block_options):
+            fail("block_options", "it must be a mapping from option names to values")
 
     # ---- derived sizes -------------------------------------------------------------------------
     @property
@@ -115,27 +124,43 @@ class FusionConfig:
         """FFN width (explicit ffn_dim, or Chameleon's rule)."""
         return self.ffn_dim or chameleon_ffn_dim(self.dim)
 
-    def layer_parameters(self) -> int:
-        """Parameters of one decoder block, closed form."""
+    def layer_part_parameters(self) -> dict[str, int]:
+        """Parameters of one dense layer by part, closed form: attention (Q, K, V, O), ffn, norms (the layer's two
+        RMSNorms) and qk_norm (a weight and a bias per head and channel, 0 without QK-norm)."""
         d, hd = self.dim, self.head_dim
-        attention = d * (self.n_heads * hd) + 2 * d * (self.kv_heads * hd) + (self.n_heads * hd) * d
-        mlp = 3 * d * self.hidden_dim
-        norms = 2 * d
-        qk_norm = 2 * (self.n_heads + self.kv_heads) * hd if self.qk_norm else 0  # weight + bias per head
-        return attention + mlp + norms + qk_norm
+        return {
+            "attention": d * (self.n_heads * hd) + 2 * d * (self.kv_heads * hd) + (self.n_heads * hd) * d,
+            "ffn": 3 * d * self.hidden_dim,
+            "norms": 2 * d,
+            "qk_norm": 2 * (self.n_heads + self.kv_heads) * hd if self.qk_norm else 0,
+        }
+
+    def layer_parameters(self) -> int:
+        """Parameters of one decoder block as the configured block builds it, closed form."""
+        return block_class(self.block).layer_parameters(self)
+
+    def active_layer_parameters(self) -> int:
+        """Parameters of one decoder block that one token runs through (all of them for the dense block)."""
+        return block_class(self.block).active_layer_parameters(self)
 
     def num_parameters(self, embeddings: bool = True) -> int:
         """Total parameters, closed form (untied input embedding and output head, final norm)."""
         tables = 2 * self.vocab_size * self.dim if embeddings else 0
         return tables + self.n_layers * self.layer_parameters() + self.dim
 
+    def active_parameters(self, embeddings: bool = True) -> int:
+        """Parameters one token runs through, closed form (equals num_parameters for the dense block)."""
+        tables = 2 * self.vocab_size * self.dim if embeddings else 0
+        return tables + self.n_layers * self.active_layer_parameters() + self.dim
+
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 N (matmul weights, head included) + 12 L d T (attention scores/values).
 
-        The attention term counts the full T x T square (PaLM's convention), since the masked SDPA
-        kernels used here compute it; the input embedding lookup is no matmul and is left out.
+        N counts the active parameters: a block with weights per modality (mot) runs each token through its own
+        modality's copy only. The attention term counts the full T x T square (PaLM's convention), since the
+        masked SDPA kernels used here compute it; the input embedding lookup is no matmul and is left out.
         """
-        matmul_params = self.num_parameters(embeddings=False) + self.vocab_size * self.dim
+        matmul_params = self.active_parameters(embeddings=False) + self.vocab_size * self.dim
         return 6.0 * matmul_params + 12.0 * self.n_layers * self.dim * seq_len
 
     # ---- presets -------------------------------------------------------------------------------

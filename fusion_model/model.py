@@ -11,8 +11,10 @@ from torch.utils.checkpoint import checkpoint
 
 from fusion_model import attention as attn_lib
 from fusion_model import roles
+from fusion_model.blocks import block_class
 from fusion_model.config import FusionConfig
 from fusion_model.loss import fusion_loss_from_hidden
+from tokenizer.layout import image_code_mask
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -166,6 +168,19 @@ class AttentionContext:
     document_ids: torch.Tensor | None = None  # for xformers
     cache: KVCache | None = None
     slot: torch.Tensor | None = None  # decode_hidden: each row's cache index (B,) where its new tokens start
+    # blocks with weights per modality (uses_modality): the flat (B * T) indices of each modality's tokens, text
+    # first, then image; found once per forward from the ids (fusion_model.model.modality_groups)
+    modality_groups: tuple[torch.Tensor, ...] | None = None
+
+
+def modality_groups(input_ids: torch.Tensor, config: FusionConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat indices into (B * T) of the text tokens and of the image tokens.
+
+    Image = an image-code id (the one image-position rule, `tokenizer.layout.image_code_mask`); everything else,
+    text specials and <boi>/<eoi> included, is text.
+    """
+    is_image = image_code_mask(input_ids, config.image_offset, config.image_codes).reshape(-1)
+    return (~is_image).nonzero().squeeze(1), is_image.nonzero().squeeze(1)
 
 
 class KVCache:
@@ -247,13 +262,17 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.n_heads, self.kv_heads, self.head_dim = config.n_heads, config.kv_heads, config.head_dim
+        self.build_projections(config)
+        # a monitor (fusion_model.training.monitors) sets a callable(attention, q, k, ctx) here to see what the
+        # scores are made of; None, the default, costs one attribute check and changes nothing
+        self.observer = None
+
+    def build_projections(self, config: FusionConfig) -> None:
+        """The fused QKV and output projections and QK-norm (a block with weights per modality builds its own)."""
         self.qkv = nn.Linear(config.dim, (self.n_heads + 2 * self.kv_heads) * self.head_dim, bias=False)
         self.out = nn.Linear(self.n_heads * self.head_dim, config.dim, bias=False)
         self.q_norm = QKNorm(self.n_heads, self.head_dim) if config.qk_norm else None
         self.k_norm = QKNorm(self.kv_heads, self.head_dim) if config.qk_norm else None
-        # a monitor (fusion_model.training.monitors) sets a callable(attention, q, k, ctx) here to see what the
-        # scores are made of; None, the default, costs one attribute check and changes nothing
-        self.observer = None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """x: (B, T, dim) -> (B, T, dim)."""
@@ -262,6 +281,14 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.n_heads, self.kv_heads, self.kv_heads], dim=2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        return self.out(self.attend(q, k, v, cos, sin, ctx))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               ctx: AttentionContext) -> torch.Tensor:
+        """Attention from QK-normed q (B, T, heads, head_dim), k and v (B, T, kv_heads, head_dim): RoPE, the KV
+        cache, the observer and the backend; the heads' outputs (B, T, heads * head_dim), before the output
+        projection."""
+        batch, length = q.shape[:2]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if ctx.cache is not None:
@@ -274,7 +301,7 @@ class Attention(nn.Module):
             y = attn_lib.xformers_attention(q, k, v, ctx.document_ids)
         else:
             y = attn_lib.sdpa_attention(q, k, v, ctx.mask)
-        return self.out(y.transpose(1, 2).reshape(batch, length, -1))
+        return y.transpose(1, 2).reshape(batch, length, -1)
 
 
 class MLP(nn.Module):
@@ -293,7 +320,14 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """One decoder layer; pre-norm x + f(norm(x)) or swin norm x + norm(f(x))."""
+    """One decoder layer, the dense block: pre-norm x + f(norm(x)) or swin norm x + norm(f(x)).
+
+    The contract every block (`fusion_model.blocks`) keeps: built as cls(config, layer), called as
+    block(x, cos, sin, ctx) -> x, its attention at `.attn` (an `Attention`, whose observer the stability monitor
+    sets), and the class-level methods below: the config check and the closed-form parameter counts.
+    """
+
+    uses_modality = False  # whether forward reads ctx.modality_groups (the model finds them only then)
 
     def __init__(self, config: FusionConfig, layer: int) -> None:
         super().__init__()
@@ -303,6 +337,22 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.dim, config.norm_eps)
         self.mlp = MLP(config)
         self.dropout = nn.Dropout(config.dropout)
+
+    @classmethod
+    def check_config(cls, config: FusionConfig) -> None:
+        """Refuse settings this block cannot build (the dense block takes no options)."""
+        if config.block_options:
+            raise ValueError(f"FusionConfig: block {config.block!r} takes no block_options, got {dict(config.block_options)}")
+
+    @classmethod
+    def layer_parameters(cls, config: FusionConfig) -> int:
+        """Parameters of one block, closed form."""
+        return sum(config.layer_part_parameters().values())
+
+    @classmethod
+    def active_layer_parameters(cls, config: FusionConfig) -> int:
+        """Parameters one token runs through: all of them."""
+        return cls.layer_parameters(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         """x: (B, T, dim) -> (B, T, dim)."""
@@ -323,7 +373,9 @@ class FusionModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layers))
+        block = block_class(config.block)
+        self.layers = nn.ModuleList(block(config, i) for i in range(config.n_layers))
+        self.uses_modality = block.uses_modality
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
         self.reset_parameters()
@@ -382,6 +434,8 @@ class FusionModel(nn.Module):
                 position_ids = torch.arange(length, device=device).expand(batch, length)
         backend = self._backend(device, kv_cache is not None)
         ctx = AttentionContext(backend=backend, cache=kv_cache, document_ids=document_ids)
+        if self.uses_modality:
+            ctx.modality_groups = modality_groups(input_ids, self.config)
         runs = self._image_runs(input_ids)
         if kv_cache is not None:
             kv_cache.reserve(document_ids, position_ids)
@@ -449,6 +503,8 @@ class FusionModel(nn.Module):
         # generated tokens stay causal inside images (as in forward_hidden), so no image runs here
         mask = attn_lib.build_mask(documents, kv_cache.document_ids, queries, keys)
         ctx = AttentionContext(backend="sdpa", mask=mask, cache=kv_cache, slot=slot)
+        if self.uses_modality:
+            ctx.modality_groups = modality_groups(tokens, self.config)
         x = self.embed(tokens)
         cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         for block in self.layers:
