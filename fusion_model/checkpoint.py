@@ -4,10 +4,12 @@ transformers Chameleon directory) and one writer, both through the project's saf
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import torch
 
+from fusion_model.blocks import block_class
 from fusion_model.config import FusionConfig
 from fusion_model.model import FusionModel
 from tokenizer.files import atomic_torch_save, load_checkpoint_file
@@ -59,14 +61,43 @@ def save_model(model: FusionModel, path: str | os.PathLike) -> Path:
 
 # Fields that decide the shapes and the function of the weights; the rest (dropout, attention backend, z-loss,
 # max_seq_len for RoPE, gradient checkpointing) may change when training continues from a checkpoint.
+BLOCK_FIELDS = ("block", "block_options")  # which layer class, and its settings: the parameter names follow
 ARCHITECTURE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "kv_heads", "hidden_dim", "qk_norm",
-                       "norm_placement", "norm_eps", "rope_theta", "image_offset", "image_codes")
+                       "norm_placement", "norm_eps", "rope_theta", "image_offset", "image_codes", *BLOCK_FIELDS)
 
 
 def architecture_differences(have: FusionConfig, want: FusionConfig) -> list[str]:
     """`field: have vs want` for every architecture field on which two decoder configs disagree."""
     return [f"{name}: {getattr(have, name)} vs {getattr(want, name)}" for name in ARCHITECTURE_FIELDS
             if getattr(have, name) != getattr(want, name)]
+
+
+def can_upcycle(have: FusionConfig, want: FusionConfig) -> bool:
+    """Whether dense weights (`have`) can start a model of `want`: the one architecture difference allowed is the
+    block, from the dense one to a block class that names each of its parameters' dense source (`dense_name`)."""
+    if any(getattr(have, name) != getattr(want, name) for name in ARCHITECTURE_FIELDS if name not in BLOCK_FIELDS):
+        return False
+    dense = block_class("dense")
+    target = block_class(want.block)
+    return block_class(have.block) is dense and target is not dense and callable(getattr(target, "dense_name", None))
+
+
+def upcycle_weights(dense: dict[str, torch.Tensor], model: FusionModel) -> dict[str, torch.Tensor]:
+    """A state dict for `model` (a block with `dense_name`) from a dense model's: each block parameter takes the
+    dense weight its block's `dense_name` names (so every modality's copy starts as the dense one), every other
+    parameter (embedding, final norm, head) the dense weight of its own name. The modalities' entries share one
+    tensor (no copy of a large model held twice): `load_state_dict` copies each into its own parameter."""
+    rename = block_class(model.config.block).dense_name
+    layer = re.compile(r"(layers\.\d+\.)(.+)")
+    weights = {}
+    for name in model.state_dict():
+        match = layer.fullmatch(name)
+        source = match.group(1) + rename(match.group(2)) if match else name
+        if source not in dense:
+            raise ValueError(f"upcycling: the dense checkpoint has no {source} for the {model.config.block} "
+                             f"block's {name}")
+        weights[name] = dense[source]
+    return weights
 
 
 def checkpoint_config(path: str | os.PathLike) -> FusionConfig:

@@ -10,7 +10,13 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from fusion_model.checkpoint import architecture_differences, checkpoint_config, load_model
+from fusion_model.checkpoint import (
+    architecture_differences,
+    can_upcycle,
+    checkpoint_config,
+    load_model,
+    upcycle_weights,
+)
 from fusion_model.config import FusionConfig, FusionConfigDict
 from fusion_model.families import DEFAULT_FAMILY, family_class, resolve_family
 from fusion_model.families.base import LossSettings, Objective, ObjectiveContext
@@ -120,7 +126,9 @@ class FusionLightningModule(L.LightningModule):
         for that step, so the last one stays good); "skip" drops that optimizer step and counts it.
         init_weights: start a new run from these decoder weights (a checkpoint file, e.g. from `train.py convert
         import`, or a transformers Chameleon directory); with config None the decoder config is the checkpoint's,
-        otherwise its architecture must match. Ignored when the run resumes from its own checkpoint.
+        otherwise its architecture must match, or differ only in the block: a dense checkpoint into a block with
+        weights per modality (config.block "mot") is upcycled, each dense weight copied into every modality's copy.
+        Ignored when the run resumes from its own checkpoint.
         late_fusion: the older spelling of a late-fusion family, {"kind": "llava", "stage": 1, ...}: names the
         family of that kind and stage and gives its options (family_options win key by key); see
         fusion_model.families.resolve_family.
@@ -181,13 +189,19 @@ class FusionLightningModule(L.LightningModule):
         if not self._init_weights:
             return
         loaded = load_model(self._init_weights)
+        weights = loaded.state_dict()
         differences = architecture_differences(loaded.config, self.model_config)
-        if differences:
+        if differences and can_upcycle(loaded.config, self.model_config):
+            # continue a dense run with per-modality weights: every modality's copy starts as the dense weight
+            weights = upcycle_weights(weights, self.parts["model"])
+            rank_zero_info(f"model.init_weights {self._init_weights}: upcycled the dense weights into the "
+                           f"{self.model_config.block} block (each modality's copy starts as the dense weight)")
+        elif differences:
             raise ValueError(
                 f"model.init_weights {self._init_weights} holds another architecture ({'; '.join(differences)}; "
                 "checkpoint vs model.config): pass --model.config null to take the checkpoint's config"
             )
-        self.parts["model"].load_state_dict(loaded.state_dict())
+        self.parts["model"].load_state_dict(weights)
 
     def configure_model(self) -> None:
         """Apply torch.compile and, under ModelParallelStrategy, FSDP2 as the family shards itself."""
