@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from fusion_model.blocks import block_class
 from fusion_model.config import FusionConfig
 from fusion_model.model import FusionModel
 from tokenizer.files import atomic_path, atomic_write_text, load_checkpoint_file, replace_directory
@@ -110,12 +111,22 @@ def from_transformers(hf_model, **config_overrides) -> FusionModel:
     return model.to(next(iter(ours.values())).dtype)
 
 
+def check_exportable(config: FusionConfig, where: str = "") -> None:
+    """Refuse, in one sentence, a decoder whose layers transformers' Chameleon cannot hold: any block but the dense
+    one (a Mixture-of-Transformers block keeps weights per modality, which Chameleon's layout has no place for)."""
+    if block_class(config.block) is not block_class("dense"):
+        raise ValueError(f"{where}transformers' Chameleon holds only dense layers (one set of weights for every "
+                         f"token), not this decoder's {config.block!r} block, so it cannot be exported (sample it with "
+                         "`train.py generate`)")
+
+
 def to_transformers_config(
     config: FusionConfig, vocabulary_map: dict, vq_config: dict | None = None, dtype: torch.dtype | None = None
 ):
     """The transformers ChameleonConfig equivalent to a FusionConfig (pad/bos/eos ids from the map's names)."""
     from transformers import ChameleonConfig
 
+    check_exportable(config, "to_transformers: ")
     if not config.qk_norm:
         raise ValueError("to_transformers: transformers' Chameleon always applies QK-norm; export needs qk_norm=True")
     hf_config = ChameleonConfig(
@@ -260,6 +271,7 @@ def to_transformers(
     """
     from safetensors.torch import save_file
 
+    check_exportable(model.config, "to_transformers: ")  # before the folder is made
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     vocabulary_map, unified = _vocabulary(model.config, vocab)

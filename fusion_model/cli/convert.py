@@ -77,9 +77,12 @@ def export_transformers(
 ) -> Path:
     """Our checkpoint -> transformers Chameleon directory: weights and config, and with --vocab the tokenizer,
     generation_config.json and (with an image tokenizer) the processor files."""
+    from fusion_model.checkpoint import checkpoint_config
     from fusion_model.families.loading import load_family
-    from fusion_model.hf_convert import DTYPES, to_transformers
+    from fusion_model.hf_convert import DTYPES, check_exportable, to_transformers
 
+    if not Path(checkpoint).is_dir():  # a transformers folder is dense; a file's config says, read without its weights
+        check_exportable(checkpoint_config(checkpoint), f"{checkpoint}: ")
     loaded = load_family(checkpoint)
     if not loaded.family.exportable:
         raise ValueError(f"{checkpoint} is a {loaded.family.name} checkpoint, which transformers' Chameleon cannot "
