@@ -118,7 +118,12 @@ FIT_HELP = (
     "<default_root_dir>/tb and /csv, checkpoints to <default_root_dir>/checkpoints. "
     "--model.family chooses what is trained around the decoder: chameleon (default), llava, qformer, blip2-stage1, "
     "flamingo, or your own as package.module:Class (CONTRIBUTING.md, 'How to add a model family'), with its options "
-    "in --model.family_options '{...}'; --model.late_fusion '{kind: llava, stage: 1}' is the older spelling."
+    "in --model.family_options '{...}'; --model.late_fusion '{kind: llava, stage: 1}' is the older spelling. "
+    "--model.config.block chooses the decoder layer: dense (default), mot (Mixture-of-Transformers: its own FFN, "
+    "Q/K/V/O and norms per modality, image codes vs everything else, with global attention; needs the image block), "
+    "or your own as package.module:Class; --model.config.block_options '{ffn: true, attention: true, norms: true}' "
+    "gives mot's parts a copy per modality (each true unless set false). --model.init_weights DENSE.ckpt with "
+    "--model.config.block mot upcycles a dense run: each dense weight starts every modality's copy."
 )
 STEPS_UNTIL_MEASURED = 1_000_000  # trainer.max_steps under a time budget until TimeBudget has measured the rate
 
