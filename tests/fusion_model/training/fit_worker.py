@@ -116,6 +116,43 @@ def run_in_process(args: list[str]):
     return fit_from_config(None, args)
 
 
+def fsdp2_steps(rank: int, world: int, port: int, config: dict, weights: str, batches: str, out: str) -> None:
+    """Rank `rank` of `world` CPU processes (gloo): the decoder with `weights`, sharded as Family.parallelize shards
+    it (FSDP2, each block, then the root), takes one AdamW step per batch of `batches` ({"steps": [[rank 0's
+    batch, rank 1's, ...], ...]}); rank 0 saves each step's loss and full gradients and the final weights to `out`.
+    Start it with torch.multiprocessing's spawn (see tests/fusion_model/training/test_mot_training.py)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fusion_model.config import FusionConfig
+    from fusion_model.families.chameleon import ChameleonFamily
+    from fusion_model.model import FusionModel
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        decoder_config = FusionConfig.from_dict(config)
+        model = FusionModel(decoder_config)
+        model.load_state_dict(torch.load(weights, weights_only=True))
+        ChameleonFamily(decoder_config).parallelize({"model": model}, init_device_mesh("cpu", (world,)))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        record: dict = {"losses": [], "grads": []}
+        for step in torch.load(batches, weights_only=True)["steps"]:
+            batch = step[rank]
+            loss = model.loss(batch["input_ids"], batch["document_ids"])["loss"]
+            loss.backward()  # FSDP2 averages the ranks' gradients: equal target counts make it the global mean
+            record["losses"].append(loss.detach())
+            record["grads"].append({name: p.grad.full_tensor() for name, p in model.named_parameters()})
+            optimizer.step()
+            optimizer.zero_grad()
+        record["weights"] = full_state_dict(model)
+        if rank == 0:
+            torch.save(record, out)
+    finally:
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     torch.set_num_threads(int(os.environ.get("FIT_THREADS", "1")))
     sys.path.insert(0, str(HERE))  # so the CLI can import fit_worker.Recorder
