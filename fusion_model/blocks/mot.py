@@ -76,19 +76,105 @@ def for_modality(module: nn.Module, name: str) -> nn.Module:
     return module[name] if isinstance(module, nn.ModuleDict) else module
 
 
-def by_modality(x: torch.Tensor, groups: tuple[torch.Tensor, ...],
-                fn: Callable[[str, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """fn(modality, its tokens (n, features)) on each modality's tokens of x (..., features), put back in order.
+class _Gather(torch.autograd.Function):
+    """Each group's rows of x (N, features); the groups partition the rows, so the backward writes every group's
+    gradient into one buffer (autograd's index_select backward zero-fills a full-size buffer per group and sums)."""
 
-    A modality absent from x runs on zero tokens: its weights still join the backward (with zero gradients), so
-    every rank's backward reaches every parameter and DDP / FSDP2 collectives stay in step.
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, groups: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        ctx.groups = groups
+        return tuple(x.index_select(0, index) for index in groups)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        grad = grads[0].new_empty(sum(len(g) for g in grads), *grads[0].shape[1:])
+        for index, part in zip(ctx.groups, grads):
+            grad.index_copy_(0, index, part)
+        return grad, None
+
+
+class _Scatter(torch.autograd.Function):
+    """The groups' rows put back in token order (N, features); the backward gathers the gradient by group (autograd's
+    index_copy_ backward also copies the whole gradient for the buffer written into)."""
+
+    @staticmethod
+    def forward(ctx, groups: tuple[torch.Tensor, ...], *parts: torch.Tensor) -> torch.Tensor:
+        ctx.groups = groups
+        out = parts[0].new_empty(sum(len(p) for p in parts), *parts[0].shape[1:])
+        for index, part in zip(groups, parts):
+            out.index_copy_(0, index, part)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, *(grad.index_select(0, index) for index in ctx.groups)
+
+
+class _Join(torch.autograd.Function):
+    """`main` unchanged, with the zero-row outputs of a modality absent from the batch joined to the graph: the
+    backward then reaches that modality's weights (zero gradients, not None) without a copy of `main`."""
+
+    @staticmethod
+    def forward(ctx, main: torch.Tensor, *empty: torch.Tensor) -> torch.Tensor:
+        ctx.shapes = [e.shape for e in empty]
+        return main.view_as(main)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, *(grad.new_zeros(shape) for shape in ctx.shapes)
+
+
+Outputs = torch.Tensor | tuple[torch.Tensor, ...]
+
+
+def by_modality(x: torch.Tensor, groups: tuple[torch.Tensor, ...],
+                fn: Callable[[str, torch.Tensor], Outputs]) -> Outputs:
+    """fn(modality, its tokens (n, features)) on each modality's tokens of x (..., features); each output of fn
+    (n, ...) put back in token order, (..., ...).
+
+    A modality absent from the batch runs on zero tokens whenever autograd records: its weights still join the
+    backward (with zero gradients), so every rank's backward reaches every parameter and DDP / FSDP2 collectives
+    stay in step. Without autograd (decoding) it is skipped.
     """
     flat = x.reshape(-1, x.shape[-1])
-    outputs = [fn(name, flat.index_select(0, index)) for name, index in zip(MODALITIES, groups)]
-    out = outputs[0].new_empty(flat.shape[0], *outputs[0].shape[1:])
-    for index, output in zip(groups, outputs):
-        out.index_copy_(0, index, output)
-    return out.view(*x.shape[:-1], *out.shape[1:])
+    if torch.compiler.is_compiling():
+        # the group sizes are symbolic here (nonzero): no branch on them, plain ops the compiler fuses
+        merged = _gather_scatter(flat, groups, fn)
+    else:
+        recording = torch.is_grad_enabled()
+        full = next((i for i, index in enumerate(groups) if len(index) == len(flat)), None)
+        if full is not None:
+            # one modality holds every token (text-only rows, a decode step in one modality): no gather, no scatter
+            merged = list(_as_tuple(fn(MODALITIES[full], flat)))
+            if recording:
+                empty = [_as_tuple(fn(name, flat.new_empty(0, flat.shape[1])))
+                         for i, name in enumerate(MODALITIES) if i != full]
+                merged = [_Join.apply(out, *parts) for out, *parts in zip(merged, *empty)]
+        elif recording:
+            outputs = [_as_tuple(fn(name, tokens)) for name, tokens in zip(MODALITIES, _Gather.apply(flat, groups))]
+            merged = [_Scatter.apply(groups, *parts) for parts in zip(*outputs)]
+        else:
+            merged = _gather_scatter(flat, groups, fn)
+    shaped = tuple(out.view(*x.shape[:-1], *out.shape[1:]) for out in merged)
+    return shaped if len(shaped) > 1 else shaped[0]
+
+
+def _as_tuple(value: Outputs) -> tuple[torch.Tensor, ...]:
+    """A function's output(s) as a tuple."""
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _gather_scatter(flat: torch.Tensor, groups: tuple[torch.Tensor, ...],
+                    fn: Callable[[str, torch.Tensor], Outputs]) -> list[torch.Tensor]:
+    """by_modality with plain index_select / index_copy_ (what the compiler traces, and decoding runs)."""
+    outputs = [_as_tuple(fn(name, flat.index_select(0, index))) for name, index in zip(MODALITIES, groups)]
+    merged = []
+    for parts in zip(*outputs):
+        out = parts[0].new_empty(len(flat), *parts[0].shape[1:])
+        for index, part in zip(groups, parts):
+            out.index_copy_(0, index, part)
+        merged.append(out)
+    return merged
 
 
 class MoTAttention(Attention):
@@ -113,20 +199,21 @@ class MoTAttention(Attention):
         batch, length, _ = x.shape
         split = [self.n_heads, self.kv_heads, self.kv_heads]
 
-        def project_in(name: str, tokens: torch.Tensor) -> torch.Tensor:
+        def project_in(name: str, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
             if input_norm is not None:
                 tokens = for_modality(input_norm, name)(tokens)
             qkv = for_modality(self.qkv, name)(tokens).view(len(tokens), sum(split), self.head_dim)
-            if self.q_norm is None:
-                return qkv
             q, k, v = qkv.split(split, dim=1)
-            return torch.cat([for_modality(self.q_norm, name)(q), for_modality(self.k_norm, name)(k), v], dim=1)
+            if self.q_norm is None:
+                return q, k, v
+            # three outputs, each put back in order on its own: no torch.cat of the normed q and k with v
+            return for_modality(self.q_norm, name)(q), for_modality(self.k_norm, name)(k), v
 
         def project_out(name: str, heads: torch.Tensor) -> torch.Tensor:
             out = for_modality(self.out, name)(heads)
             return out if output_norm is None else for_modality(output_norm, name)(out)
 
-        q, k, v = by_modality(x, groups, project_in).split(split, dim=2)
+        q, k, v = by_modality(x, groups, project_in)
         return by_modality(self.attend(q, k, v, cos, sin, ctx), groups, project_out)
 
 
