@@ -69,13 +69,13 @@ def make_user_data(root: Path) -> None:
 
 def test_the_readme_commands_run_as_written_on_new_data(tmp_path):
     commands = readme_commands()
-    assert [step_of(c) for c in commands][:8] == ["tokenizer fit", "vocab", "shards write", "shards tokenize",
-                                                   "shards verify", "fit", "generate", "convert import"]
+    assert [step_of(c) for c in commands][:9] == ["tokenizer fit", "vocab", "shards write", "shards tokenize",
+                                                   "shards verify", "fit", "fit", "generate", "convert import"]
     make_user_data(tmp_path)
     (tmp_path / "configs").symlink_to(REPO / "configs")
     (tmp_path / "train.py").symlink_to(REPO / "train.py")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    outputs, late_fusion, caption = {}, "", ""
+    outputs, late_fusion, caption, mixture = {}, "", "", ""
     for index, command in enumerate(commands):
         step = step_of(command)
         if step in SKIPPED:
@@ -88,7 +88,9 @@ def test_the_readme_commands_run_as_written_on_new_data(tmp_path):
             result = subprocess.run(argv, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=600)
         text = log.read_text()
         assert result.returncode == 0, f"{command}\n{text[-3000:]}"
-        outputs.setdefault(step, text)  # the first run of each step (fit runs twice: early, then late fusion)
+        outputs.setdefault(step, text)  # the first run of each step (fit runs three times: early, MoT, late fusion)
+        if "--model.config.block mot" in command:
+            mixture = text
         if "configs/fusion/late/" in command:
             late_fusion = text
         if step == "generate" and "runs/late/" in command:
@@ -103,6 +105,9 @@ def test_the_readme_commands_run_as_written_on_new_data(tmp_path):
     assert images and all((tmp_path / path).is_file() or Path(path).is_file() for path in images)
     assert (tmp_path / "out/hf-chameleon/config.json").is_file()
     assert list((tmp_path / "runs/tokens-features").glob("*.features.npy")), "shards tokenize --features"
+    # the Mixture-of-Transformers run starts from the dense run's weights, and says so
+    assert "upcycled the dense weights into the mot block" in mixture and "done: step 3/3" in mixture, mixture[-2000:]
+    assert (tmp_path / "runs/small-mot/checkpoints/last.ckpt").is_file()
     assert "done: step 3/3" in late_fusion and (tmp_path / "runs/late/llava-stage1/checkpoints/last.ckpt").is_file()
     # the late-fusion checkpoint captions the picture through the same generate: text out, no image files
     assert "prompt: <image: my_images/cat.png>a photo of" in caption and "output: " in caption, caption
