@@ -188,6 +188,40 @@ def test_fewer_training_images_than_one_batch_is_refused_instead_of_looping_fore
     assert "number 3" in err and "data.batch_size is 8" in err and "--data.batch_size" in err
 
 
+@pytest.mark.parametrize("source", ["tar", "folder of tars"])
+def test_shards_with_fewer_images_than_one_batch_are_refused_like_a_folder(tmp_path, capsys, source):
+    """A tar (or img2dataset's folder of tars) holding 1 image with batch 2: exit 2 and the folder's sentence, not a
+    run that never takes a step."""
+    import webdataset as wds
+
+    buffer = io.BytesIO()
+    Image.fromarray(np.full((32, 32, 3), 90, np.uint8)).save(buffer, "PNG")
+    (tmp_path / "data").mkdir()
+    with wds.TarWriter(str(tmp_path / "data" / "00000.tar")) as sink:
+        sink.write({"__key__": "000000000", "jpg": buffer.getvalue(), "txt": b"a grey square"})
+    where = str(tmp_path / "data" / "00000.tar") if source == "tar" else str(tmp_path / "data")
+    code = cli.main(["tokenizer", "fit", "--model.preset", "demo-64", "--data.source", where,
+                     "--data.image_size", "64", "--data.batch_size", "2", "--trainer.max_steps", "2",
+                     "--trainer.accelerator", "cpu", "--trainer.default_root_dir", str(tmp_path / "run")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "number 1" in err and "data.batch_size is 2" in err and "--data.batch_size" in err
+
+
+def test_a_folder_of_tars_trains_on_the_images_inside_them(tmp_path):
+    import webdataset as wds
+
+    with wds.TarWriter(str(tmp_path / "00000.tar")) as sink:
+        for index in range(3):
+            buffer = io.BytesIO()
+            Image.fromarray(np.full((24, 24, 3), 60 * index, np.uint8)).save(buffer, "PNG")
+            sink.write({"__key__": f"{index:09d}", "png": buffer.getvalue(), "txt": b"a square"})
+    data = ImageDataModule(source=str(tmp_path), image_size=16, batch_size=3)
+    data.setup("fit")
+    (train,) = list(data.train_dataloader())
+    assert train.shape == (3, 3, 16, 16)
+
+
 def test_tokenizer_help_is_instant_and_names_presets_and_options(capsys):
     assert cli.main(["tokenizer", "--help"]) == 0
     out = capsys.readouterr().out

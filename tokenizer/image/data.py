@@ -186,6 +186,19 @@ class ShardImages(IterableDataset):
         self.size, self.train, self.skip_bad, self.seed = size, train, skip_bad, seed
         self.skipped: dict[str, str] = {}
 
+    def count_images(self) -> int:
+        """How many image members the shards hold, from the tar headers alone (nothing is decoded); a tar that
+        cannot be read counts the members before the damage, and the pass over it reports the damage."""
+        count = 0
+        for url in self.urls:
+            try:
+                with tarfile.open(url, "r") as tar:
+                    for member in tar:
+                        count += member.isfile() and member.name.lower().endswith(IMAGE_SUFFIXES)
+            except (tarfile.TarError, EOFError, OSError):
+                continue
+        return count
+
     def __iter__(self):
         import webdataset as wds
 
@@ -236,6 +249,12 @@ class ShardImages(IterableDataset):
                     if not self.skip_bad:
                         raise
                     self.skipped[name] = str(err)
+
+
+def is_shard_folder(source: str | Path) -> bool:
+    """Whether `source` is a folder of tar shards and no images (img2dataset's output, or `shards write`'s)."""
+    root = Path(source)
+    return root.is_dir() and any(root.glob("*.tar")) and not list_image_files(root)
 
 
 def list_image_files(folder: str | Path) -> list[Path]:

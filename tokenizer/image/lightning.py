@@ -239,6 +239,10 @@ class ImageDataModule(L.LightningDataModule):
             self.val_set = image_data.PhotoCrops(
                 image_data.HELD_OUT_PHOTOS, hp.image_size, hp.val_samples, seed=hp.seed + 10_000
             )
+        elif image_data.is_shard_folder(hp.source):  # img2dataset's output folder: its tars are the shards
+            pattern = str(Path(hp.source) / "*.tar")
+            self.train_set = image_data.ShardImages(pattern, hp.image_size, True, hp.skip_bad_images, hp.seed)
+            self.val_set = image_data.ShardImages(hp.val_source or pattern, hp.image_size, False, hp.skip_bad_images)
         elif Path(hp.source).is_dir():
             files = image_data.list_image_files(hp.source)
             if hp.val_source is not None:
@@ -271,13 +275,15 @@ class ImageDataModule(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
-        """Random crops, shuffled; refuses a training set smaller than one batch (every epoch would be empty)."""
-        size, batch = getattr(self.train_set, "__len__", None), self.hparams.batch_size
-        if size is not None and size() < batch:
+        """Random crops, shuffled; refuses a training set smaller than one batch (every epoch would be empty), the
+        same for every source: photos, a folder, tar shards (counted from their headers)."""
+        dataset, batch = self.train_set, self.hparams.batch_size
+        size = dataset.count_images() if isinstance(dataset, image_data.ShardImages) else len(dataset)
+        if size < batch:
             raise ValueError(
-                f"the training images of data.source {self.hparams.source!r} number {size()} (after the validation split) "
+                f"the training images of data.source {self.hparams.source!r} number {size} (after the validation split) "
                 f"but data.batch_size is {batch}: no full batch, so training would never "
-                f"take a step; lower --data.batch_size to at most {size()} or add images"
+                f"take a step; lower --data.batch_size to at most {size} or add images"
             )
         return self._loader(self.train_set, shuffle=True)
 
