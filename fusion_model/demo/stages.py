@@ -14,17 +14,15 @@ from PIL import Image
 
 from fusion_model.demo.bookkeeping import STAGES, read_marker
 from fusion_model.demo.datasets import (
-    CALCULATE,
-    EQUALS,
-    PLUS,
+    arithmetic_document,
     arithmetic_pairs,
     augment_digits,
     caption,
+    caption_document,
     load_digits,
     pick_by_label,
     to_model_images,
     vocab_corpus,
-    worded_sum,
 )
 from fusion_model.demo.report import to_uint8
 from fusion_model.demo.settings import FIT_CONFIG, DemoConfig, shown_path
@@ -148,15 +146,14 @@ def run_shards(config: DemoConfig, out_dir: Path, progress: bool = True) -> dict
         for variant in range(data.captions_per_image):
             images = copy_of_digits(variant)
             for i, label in enumerate(digits.train_labels):
-                writer.add(f"digit_{i:05d}_{variant}", [caption(int(label), int(rng.integers(0, 4))), images[i]])
+                writer.add(f"digit_{i:05d}_{variant}", caption_document(int(label), int(rng.integers(0, 4)), images[i]))
         images = copy_of_digits(data.captions_per_image)
         a_idx = pick_by_label(digits.train_labels, pairs[:, 0], rng)
         b_idx = pick_by_label(digits.train_labels, pairs[:, 1], rng)
         c_idx = pick_by_label(digits.train_labels, pairs.sum(axis=1), rng)
         for n, (a, b, c) in enumerate(zip(a_idx, b_idx, c_idx)):
             a_word, b_word = int(digits.train_labels[a]), int(digits.train_labels[b])
-            writer.add(f"sum_{n:05d}", [CALCULATE, images[a], PLUS, images[b], EQUALS + worded_sum(a_word, b_word),
-                                        images[c]])
+            writer.add(f"sum_{n:05d}", arithmetic_document(images[a], images[b], images[c], a_word, b_word))
     raw_manifest = writer.manifest
     manifest = pretokenize(raw_dir, token_dir, load_vocab(out_dir), load_image_tokenizer(out_dir),
                            flip_probability=settings.flip_probability, seed=config.seed, progress=progress)
