@@ -8,8 +8,8 @@ from fusion_model import cli
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     **cli.SUBCOMMANDS,
     "demo": ("fusion_model.demo.pipeline", "run the end-to-end demo on built-in offline data, with a report"),
-    "experiment": ("fusion_model.demo.fusion_experiment",
-                   "compare early fusion with LLaVA / BLIP-2 / Flamingo connectors on the demo's data"),
+    "experiment": ("fusion_model.demo.experiments",
+                   "on the demo's data: early vs late fusion (fusion), dense vs Mixture-of-Transformers (mot)"),
 }
 
 

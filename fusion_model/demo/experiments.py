@@ -1,0 +1,22 @@
+"""`python train.py experiment <name>`: the experiments that reuse a finished demo's outputs, by name."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# name -> (module with `main(argv)`, what it compares); each main takes the argv that starts with its name
+EXPERIMENTS: dict[str, tuple[str, str]] = {
+    "fusion": ("fusion_model.demo.fusion_experiment", "early fusion vs LLaVA / BLIP-2 / Flamingo connectors"),
+    "mot": ("fusion_model.demo.mot_experiment", "dense vs Mixture-of-Transformers decoders at three sizes"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the experiment named by argv[0]; without a known name, list them and exit 2."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in EXPERIMENTS:
+        listed = "; ".join(f"{name}: {what}" for name, (_, what) in EXPERIMENTS.items())
+        print(f"usage: python train.py experiment {{{','.join(EXPERIMENTS)}}} [options]  ({listed})", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(EXPERIMENTS[argv[0]][0]).main(argv) or 0)
