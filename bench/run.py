@@ -29,6 +29,7 @@ TIME_LIMITS_S = {"tokenizer_quality": 7200.0}  # 3 models x (3.5 + 15) CPU-minut
 TIME_LIMITS_S["stability"] = 2400.0  # a 20 CPU-minute budget on one thread, plus load on a shared machine
 TIME_LIMITS_S["speculative"] = 1200.0  # 6,000 one-image generations on one thread (~5 min idle), plus load
 TIME_LIMITS_S["sampling"] = 2400.0  # two presets x 2 batches x 6 timed paths and 4 compiles on one thread, plus load
+TIME_LIMITS_S["mot"] = 1800.0  # ~7 min idle: 2 train mixes, 5 decode rows, 6 compiles on one thread, plus load
 
 
 def discover() -> list[str]:
@@ -191,9 +192,13 @@ def _load_results(directory: Path) -> dict[str, dict]:
     results = {}
     for path in sorted(directory.glob("*.json")):
         try:
-            results[path.stem] = json.loads(path.read_text())
+            body = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as error:
             print(f"bench: skipping unreadable result {path}: {error}", file=sys.stderr)
+            continue
+        # other tools' files share the folder (bench.compare_revisions writes revision.json): no figures, no rows
+        if isinstance(body, dict) and isinstance(body.get("figures"), dict):
+            results[path.stem] = body
     return results
 
 

@@ -58,6 +58,15 @@ def test_flat_speedup_keys_render_as_one_ratio_with_spread(tmp_path):
     assert "| small.steps | 12,345 |" in rows[3]
 
 
+def test_a_json_without_figures_is_no_benchmark_result(tmp_path):
+    """bench.compare_revisions writes revision.json into bench/results: it adds no row and no machine."""
+    _fake_results(tmp_path)
+    (tmp_path / "revision.json").write_text(json.dumps({"before": "/tmp/before", "rounds": 5}))
+    text = run.render_markdown(tmp_path)
+    assert "| revision |" not in text and "**revision**" not in text
+    assert "- M2:" not in text  # alpha and limits share one machine
+
+
 def test_markdown_gives_gpu_results_their_own_section(tmp_path):
     write_result("gpu", {"figures": {"train_mfu": {"value": 0.45, "unit": "of peak"}}, "config": {}}, tmp_path)
     text = run.render_markdown(tmp_path)
