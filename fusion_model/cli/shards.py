@@ -1,5 +1,5 @@
-"""`python train.py shards write|tokenize|inspect|verify`: ingest sources, pre-tokenize, look inside and check
-shard directories."""
+"""`python train.py shards write|tokenize|inspect|verify|plan`: ingest sources, pre-tokenize, look inside and check
+shard directories, and write the row plan the training stream reads."""
 
 from __future__ import annotations
 
@@ -73,6 +73,12 @@ def build_parser() -> argparse.ArgumentParser:
     ver = sub.add_parser("verify", help="check every token shard (checksums, ids < vocab_size, offsets, counts); "
                                         "exit 2 when any is bad", formatter_class=DefaultsHelpFormatter)
     ver.add_argument("dir", metavar="TOKENS_DIR", help="token shard directory (from `shards tokenize`)")
+
+    plan = sub.add_parser("plan", help="write each shard's row count at a seq_len (TOKENS_DIR/plans/rows-N.json), so a "
+                                       "training rank lays out an epoch without opening every shard",
+                          formatter_class=DefaultsHelpFormatter)
+    plan.add_argument("dir", metavar="TOKENS_DIR", help="token shard directory (from `shards tokenize`)")
+    plan.add_argument("--seq-len", type=int, required=True, help="the training sequence length (data.seq_len)")
     return parser
 
 
@@ -194,7 +200,19 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    from data_shards.plan import write_plan
+
+    if args.seq_len < 1:
+        raise SystemExit(f"--seq-len must be positive, got {args.seq_len}")
+    path = write_plan(args.dir, args.seq_len)
+    rows = sum(json.loads(path.read_text())["rows"])
+    print(f"wrote {path}: {rows} rows of {args.seq_len} tokens")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python train.py shards ...`; bad input (ShardError, ImageLoadError: ValueErrors) exits 2."""
     args = build_parser().parse_args(argv)
-    return {"write": _write, "tokenize": _tokenize, "inspect": _inspect, "verify": _verify}[args.action](args)
+    return {"write": _write, "tokenize": _tokenize, "inspect": _inspect, "verify": _verify,
+            "plan": _plan}[args.action](args)
