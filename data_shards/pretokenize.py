@@ -1,22 +1,36 @@
-"""Pre-tokenize raw shards into token shards: batched image encoding, pair flipping, several processes, resumable."""
+"""Pre-tokenize raw shards into token shards: batched image encoding, pair flipping, several processes or ranks
+(nodes), resumable; per-rank manifest parts merged into the one manifest."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import multiprocessing
+import re
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from pathlib import Path
 
-import numpy as np
 import torch
 from PIL import Image
 from tqdm import tqdm
 
+from data_shards.raw import MANIFEST as RAW_MANIFEST
 from data_shards.raw import ShardError, iter_raw_shard, read_raw_manifest
-from data_shards.token_shards import read_shard_meta, sha256_file, write_manifest, write_token_shard
+from data_shards.token_shards import (
+    FeatureWriter,
+    manifest_entry,
+    rank_subset,
+    read_shard_meta,
+    sha256_file,
+    write_manifest,
+    write_token_shard,
+)
+from tokenizer.files import atomic_write_json
 from tokenizer.image.preprocess import ImageLoadError, open_image
 
 # Settings that change what a shard holds; a finished shard is reused only if they all match.
@@ -24,6 +38,52 @@ _REUSE_FIELDS = ("vocab_fingerprint", "image_tokenizer_fingerprint", "vocab_size
                  "features")
 # What shards written before a field existed hold for it.
 _REUSE_DEFAULTS = {"features": False}
+# The device and dtype that computed a shard's image codes (and features): other hardware or precision can round a
+# latent to another code, so a shard made otherwise is tokenized again rather than mixed with this run's.
+ENCODER_FIELDS = ("encoder_device", "encoder_dtype")
+# Per-rank parts of a tokenize split over ranks (`--world-size` > 1), merged into the manifest by `merge_parts`.
+PART_FORMAT = "early-fusion-tokens-part/1"
+_PART_NAME = re.compile(r"^manifest\.part-(?P<rank>\d+)-of-(?P<world>\d+)\.json$")
+
+
+def encoder_key(image_tokenizer) -> dict[str, str]:
+    """{"encoder_device", "encoder_dtype"} of the image tokenizer as it is now ("none" for text-only data); a CUDA
+    device is named by its model, since two GPU models need not round alike."""
+    if image_tokenizer is None:
+        return {"encoder_device": "none", "encoder_dtype": "none"}
+    device = torch.device(getattr(image_tokenizer, "device", "cpu"))
+    where = f"cuda:{torch.cuda.get_device_name(device)}" if device.type == "cuda" else device.type
+    dtype = torch.float32  # stand-ins without parameters (tests' wrappers) encode with their inner fp32 model
+    if isinstance(image_tokenizer, torch.nn.Module):
+        dtype = next(image_tokenizer.parameters(), torch.empty(0)).dtype
+    return {"encoder_device": where, "encoder_dtype": str(dtype).removeprefix("torch.")}
+
+
+def _made_by(meta: dict) -> tuple[str, str]:
+    """A finished shard's encoder key; shards from before it was recorded were made on the CPU in float32 (the
+    only way `shards tokenize` ran then)."""
+    if "encoder_device" in meta:
+        return meta["encoder_device"], meta.get("encoder_dtype", "float32")
+    return ("none", "none") if meta.get("image_tokenizer_fingerprint") == "none" else ("cpu", "float32")
+
+
+@contextmanager
+def _exact_cuda_math(enabled: bool) -> Iterator[None]:
+    """On CUDA: full fp32 convolutions and matmuls (no TF32) with deterministic kernels while tokenizing, so
+    every rank and every restart on the same GPU model computes the same codes; restored afterwards."""
+    if not enabled:
+        yield
+        return
+    backends = torch.backends
+    saved = (backends.cudnn.allow_tf32, backends.cuda.matmul.allow_tf32, backends.cudnn.deterministic,
+             backends.cudnn.benchmark)
+    backends.cudnn.allow_tf32 = backends.cuda.matmul.allow_tf32 = False
+    backends.cudnn.deterministic, backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        (backends.cudnn.allow_tf32, backends.cuda.matmul.allow_tf32, backends.cudnn.deterministic,
+         backends.cudnn.benchmark) = saved
 
 
 def flip_pair(key: str, seed: int, probability: float) -> bool:
@@ -41,7 +101,8 @@ def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: 
     """Tokenize one raw shard into the token shard of the same stem; returns the shard's meta.
 
     `raw_sha256` is the hash the caller decided on (computed here when None); the tar is hashed again after
-    reading, so a raw shard rewritten meanwhile is refused rather than recorded under the wrong hash.
+    reading, so a raw shard rewritten meanwhile is refused rather than recorded under the wrong hash. Features
+    (`info["features"]`) go to disk batch by batch (`FeatureWriter`), never a whole shard's in memory.
     """
     name = raw_path.name.removesuffix(".tar")
     raw_sha256 = raw_sha256 or sha256_file(raw_path)
@@ -50,69 +111,70 @@ def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: 
     pending: list[tuple[str, list]] = []
     images_done = 0
     with_features = bool(info.get("features"))
-    features: list[np.ndarray] = []  # per image (h*w, C) float16, in the order the images appear in the ids
+    with ExitStack() as stack:
+        # per image (h*w, C) float16 rows, in the order the images appear in the ids
+        writer = (stack.enter_context(FeatureWriter(out_dir, name, image_tokenizer.config.embed_dim))
+                  if with_features else None)
 
-    def flush() -> None:
-        nonlocal images_done
-        images = [s for _, segments in pending for s in segments if isinstance(s, Image.Image)]
-        grids: list[torch.Tensor] = []
-        image_features: list[torch.Tensor] = []
-        for start in range(0, len(images), batch_size):
-            chunk = images[start : start + batch_size]
-            with torch.inference_mode():
-                # plain `encode` without features: an image tokenizer then needs only encode/grid_shape/fingerprint
-                if with_features:
-                    codes, feats = image_tokenizer.encode_with_features(chunk)
-                    image_features.extend(feats.float().cpu())
-                else:
-                    codes = image_tokenizer.encode(chunk)
-            grids.extend(codes.cpu())
-        grid_iter, feature_iter = iter(grids), iter(image_features)
-        for key, segments in pending:
-            segments = [next(grid_iter) if isinstance(s, Image.Image) else s for s in segments]
-            if with_features:
-                features.extend(next(feature_iter).numpy().astype(np.float16)
-                                for s in segments if not isinstance(s, str))
-            try:
-                ids = vocab.encode_document(segments, bos=True, eos=True)
-            except (ValueError, IndexError) as err:
-                raise ShardError(f"shard {raw_path.name}, key {key!r}: cannot encode document ({err})") from err
-            keys.append(key)
-            documents.append([int(i) for i in ids])
-        images_done += len(images)
-        pending.clear()
+        def flush() -> None:
+            nonlocal images_done
+            images = [s for _, segments in pending for s in segments if isinstance(s, Image.Image)]
+            grids: list[torch.Tensor] = []
+            image_features: list[torch.Tensor] = []
+            for start in range(0, len(images), batch_size):
+                chunk = images[start : start + batch_size]
+                with torch.inference_mode():
+                    # plain `encode` without features: an image tokenizer then needs only encode/grid_shape/fingerprint
+                    if with_features:
+                        codes, feats = image_tokenizer.encode_with_features(chunk)
+                        image_features.extend(feats.float().cpu())
+                    else:
+                        codes = image_tokenizer.encode(chunk)
+                grids.extend(codes.cpu())
+            grid_iter, feature_iter = iter(grids), iter(image_features)
+            for key, segments in pending:
+                segments = [next(grid_iter) if isinstance(s, Image.Image) else s for s in segments]
+                if writer is not None:
+                    for segment in segments:
+                        if not isinstance(segment, str):
+                            writer.write(next(feature_iter).numpy())
+                try:
+                    ids = vocab.encode_document(segments, bos=True, eos=True)
+                except (ValueError, IndexError) as err:
+                    raise ShardError(f"shard {raw_path.name}, key {key!r}: cannot encode document ({err})") from err
+                keys.append(key)
+                documents.append([int(i) for i in ids])
+            images_done += len(images)
+            pending.clear()
 
-    pending_images = 0
-    for key, raw_segments in iter_raw_shard(raw_path):
-        segments: list[str | Image.Image] = []
-        for segment in raw_segments:
-            if isinstance(segment, str):
-                segments.append(segment)
-                continue
-            if image_tokenizer is None:
-                raise ShardError(f"shard {raw_path.name}, key {key!r}: holds an image but no image tokenizer was given")
-            try:
-                segments.append(open_image(segment[1], name=f"{raw_path.name}:{key}"))
-            except ImageLoadError as err:
-                raise ShardError(f"shard {raw_path.name}, key {key!r}: {err}") from err
-        if _is_pair(segments) and flip_pair(key, info["seed"], info["flip_probability"]):
-            segments.reverse()
-        pending.append((key, segments))
-        pending_images += sum(isinstance(s, Image.Image) for s in segments)
-        if pending_images >= batch_size:
-            flush()
-            pending_images = 0
-    flush()
-    if sha256_file(raw_path) != raw_sha256:
-        raise ShardError(f"shard {raw_path}: the raw shard changed while it was being tokenized; run "
-                         "`shards tokenize` again once it is no longer being written")
-    stacked = None
-    if with_features:
-        dim = image_tokenizer.config.embed_dim
-        stacked = np.concatenate(features) if features else np.zeros((0, dim), dtype=np.float16)
-    return write_token_shard(out_dir, name, keys, documents,
-                             {**info, "images": images_done, "source": raw_path.name, "raw_sha256": raw_sha256},
-                             features=stacked)
+        pending_images = 0
+        for key, raw_segments in iter_raw_shard(raw_path):
+            segments: list[str | Image.Image] = []
+            for segment in raw_segments:
+                if isinstance(segment, str):
+                    segments.append(segment)
+                    continue
+                if image_tokenizer is None:
+                    raise ShardError(f"shard {raw_path.name}, key {key!r}: holds an image but no image tokenizer "
+                                     "was given")
+                try:
+                    segments.append(open_image(segment[1], name=f"{raw_path.name}:{key}"))
+                except ImageLoadError as err:
+                    raise ShardError(f"shard {raw_path.name}, key {key!r}: {err}") from err
+            if _is_pair(segments) and flip_pair(key, info["seed"], info["flip_probability"]):
+                segments.reverse()
+            pending.append((key, segments))
+            pending_images += sum(isinstance(s, Image.Image) for s in segments)
+            if pending_images >= batch_size:
+                flush()
+                pending_images = 0
+        flush()
+        if sha256_file(raw_path) != raw_sha256:
+            raise ShardError(f"shard {raw_path}: the raw shard changed while it was being tokenized; run "
+                             "`shards tokenize` again once it is no longer being written")
+        return write_token_shard(out_dir, name, keys, documents,
+                                 {**info, "images": images_done, "source": raw_path.name, "raw_sha256": raw_sha256},
+                                 features=writer)
 
 
 # How often, at most, a plain progress line is printed when stderr is a log file rather than a terminal.
@@ -125,19 +187,20 @@ class TokenizeProgress:
     file unreadable), nothing when off. Rates and the ETA count only the samples tokenized in this run."""
 
     def __init__(self, total_samples: int, total_shards: int, done_samples: int, done_shards: int, *,
-                 enabled: bool) -> None:
+                 enabled: bool, label: str = "tokenize") -> None:
+        self.label = label  # what each line starts with ("tokenize rank 1 of 4" on a split run)
         self.total_samples, self.total_shards = total_samples, total_shards
         self.done_samples, self.done_shards = done_samples, done_shards
         self._resumed_samples = done_samples
         self._start = self._last = time.perf_counter()
         self._printed = False
         self._lines = enabled and not _stderr_is_terminal()
-        self._bar = tqdm(total=total_samples, initial=done_samples, desc="tokenize", unit="sample",
+        self._bar = tqdm(total=total_samples, initial=done_samples, desc=label, unit="sample",
                          disable=not enabled or self._lines)
         self._bar.set_postfix_str(self._shards(), refresh=False)
         if self._lines:
             resumed = f" ({done_shards} shards, {done_samples:,} samples already done)" if done_shards else ""
-            self._write(f"tokenize: {total_shards} shards, {total_samples:,} samples{resumed}")
+            self._write(f"{label}: {total_shards} shards, {total_samples:,} samples{resumed}")
 
     def shard_done(self, samples: int) -> None:
         """Count a finished shard of `samples` documents; print a line when due (the first one at once)."""
@@ -164,7 +227,7 @@ class TokenizeProgress:
         elapsed = now - self._start
         rate = (self.done_samples - self._resumed_samples) / max(elapsed, 1e-9)
         percent = 100 * self.done_samples / self.total_samples if self.total_samples else 100.0
-        parts = [f"tokenize: {self.done_samples:,}/{self.total_samples:,} samples ({percent:.0f}%)",
+        parts = [f"{self.label}: {self.done_samples:,}/{self.total_samples:,} samples ({percent:.0f}%)",
                  f"{rate:,.1f} samples/s", self._shards()]
         if final:
             parts.append(f"{timedelta(seconds=int(elapsed))} elapsed")
@@ -210,15 +273,24 @@ def pretokenize(
     batch_size: int = 64,
     progress: bool = True,
     features: bool = False,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> dict:
     """Turn every raw shard of `raw_dir` into a token shard in `out_dir`; returns the written manifest.
     `progress`: samples done, samples/s and ETA on stderr (`TokenizeProgress`).
 
-    Finished shards (same raw tar bytes by sha256, vocabulary, image tokenizer, flip probability and seed)
-    are skipped, so an interrupted run resumes; a shard whose raw tar changed is tokenized again. Each
-    shard's files are written tmp + rename, its meta last.
-    `image_tokenizer` may be None for text-only data. `features`: also store each image's pre-quantisation
-    features (float16, one row per image-code position, `NAME.features.npy`), which late-fusion connectors read.
+    Finished shards (same raw tar bytes by sha256, vocabulary, image tokenizer, flip probability, seed, and the
+    device and dtype that encoded the images) are skipped, so an interrupted run resumes; a shard whose raw tar
+    changed, or whose codes another device or dtype made, is tokenized again. Each shard's files are written
+    tmp + rename, its meta last.
+    `image_tokenizer` may be None for text-only data; it encodes on its own device (fp32 math there: no TF32).
+    `features`: also store each image's pre-quantisation features (float16, one row per image-code position,
+    `NAME.features.npy`, written in chunks), which late-fusion connectors read.
+
+    `world_size` > 1 splits the work: this process tokenizes (and hashes) only its `rank_subset` of the raw shards,
+    writes their entries to `manifest.part-RANK-of-WORLD.json`, and writes the manifest (`merge_parts`, the same
+    bytes as one process writes) when every rank's part is there. A rank whose manifest is not complete yet returns
+    its part instead, with "waiting" saying why (its "format" is `PART_FORMAT`).
     """
     if features and image_tokenizer is None:
         raise ValueError("features=True needs the image tokenizer: its encoder computes the features")
@@ -229,6 +301,12 @@ def pretokenize(
     if not raw_manifest["shards"]:
         raise ShardError(f"{raw_dir}: no raw shards (0 documents, {raw_manifest.get('skipped_count', 0)} skipped; "
                          "see the manifest's 'skipped' list for why)")
+    mine = rank_subset([shard["name"] for shard in raw_manifest["shards"]], rank, world_size)
+    made_by = encoder_key(image_tokenizer)
+    on_cuda = made_by["encoder_device"].startswith("cuda")
+    if on_cuda and num_workers > 1:
+        raise ValueError("the image tokenizer is on a GPU: tokenize with one process per GPU (a rank each, "
+                         "--rank/--world-size or torchrun), not with worker processes")
     out_dir.mkdir(parents=True, exist_ok=True)
     info = {
         "vocab_fingerprint": vocab.fingerprint(),
@@ -237,46 +315,64 @@ def pretokenize(
         "flip_probability": float(flip_probability),
         "seed": int(seed),
         "features": bool(features),
+        **made_by,
     }
-    metas: dict[str, dict] = {}
-    todo: list[tuple[Path, str]] = []
-    for shard in raw_manifest["shards"]:
+    label = "tokenize" if world_size == 1 else f"tokenize rank {rank} of {world_size}"
+    own = [shard for shard in raw_manifest["shards"] if shard["name"] in mine]
+    found: dict[str, dict | None] = {}
+    for shard in own:  # settings first, from the metas alone: a refused run hashes nothing
         name = shard["name"].removesuffix(".tar")
-        meta = read_shard_meta(out_dir, name)
-        # reuse keys on the raw bytes too: the same shard names in a rewritten raw directory hold other documents
-        raw_sha256 = sha256_file(raw_dir / shard["name"])
+        meta = found[name] = read_shard_meta(out_dir, name)
         if meta is not None and any(meta.get(f, _REUSE_DEFAULTS.get(f)) != info[f] for f in _REUSE_FIELDS):
             changed = [f for f in _REUSE_FIELDS if meta.get(f, _REUSE_DEFAULTS.get(f)) != info[f]]
             raise ShardError(f"{out_dir}: shard {name} was tokenized with other settings ({', '.join(changed)}); "
                              "use an empty output directory")
-        if meta is not None and meta.get("raw_sha256") == raw_sha256:
+    metas: dict[str, dict] = {}
+    todo: list[tuple[Path, str]] = []
+    other_encoders: set[tuple[str, str]] = set()
+    for shard in own:
+        name = shard["name"].removesuffix(".tar")
+        meta = found[name]
+        # reuse keys on the raw bytes too: the same shard names in a rewritten raw directory hold other documents.
+        # Only this rank's shards are hashed: a split run hashes each raw shard once, on the rank that owns it.
+        raw_sha256 = sha256_file(raw_dir / shard["name"])
+        current = meta is not None and meta.get("raw_sha256") == raw_sha256
+        if current and _made_by(meta) == (made_by["encoder_device"], made_by["encoder_dtype"]):
             metas[name] = meta
             continue
-        if meta is not None:  # stale: made from other raw bytes (or before raw hashes were recorded)
+        if meta is not None:  # stale: other raw bytes (or none recorded), or codes made on another device/dtype
+            if current:
+                other_encoders.add(_made_by(meta))
             (out_dir / f"{name}.meta.json").unlink()  # the shard counts as unfinished until rewritten
         todo.append((raw_dir / shard["name"], raw_sha256))
-    bar = TokenizeProgress(sum(int(shard.get("documents", 0)) for shard in raw_manifest["shards"]),
-                           len(raw_manifest["shards"]), sum(int(meta["documents"]) for meta in metas.values()),
-                           len(metas), enabled=progress)
-    if num_workers <= 1 or len(todo) <= 1:
-        for path, raw_sha256 in todo:
-            meta = tokenize_shard(path, out_dir, vocab, image_tokenizer, info, batch_size, raw_sha256)
-            metas[meta["name"]] = meta
-            bar.shard_done(int(meta["documents"]))
-    else:
-        # never fork: torch has started its OpenMP threads by now, and a forked child can deadlock in its first
-        # matmul. forkserver forks each worker from a clean server process (torch imported once there);
-        # spawn where there is no forkserver (macOS, Windows). Each worker then uses one intra-op thread.
-        method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
-        context = multiprocessing.get_context(method)
-        with ProcessPoolExecutor(num_workers, mp_context=context, initializer=_init_worker,
-                                 initargs=(vocab, image_tokenizer)) as pool:
-            futures = [pool.submit(_run_in_worker, path, out_dir, info, batch_size, raw_sha256)
-                       for path, raw_sha256 in todo]
-            for future in as_completed(futures):  # the progress counts shards as they finish
-                meta = future.result()
+    if other_encoders:
+        was = ", ".join(" ".join(key) for key in sorted(other_encoders))
+        print(f"{label}: shards in {out_dir} whose images were encoded on {was} are tokenized again on "
+              f"{made_by['encoder_device']} {made_by['encoder_dtype']}, so that no directory mixes codes of two "
+              "devices or dtypes", file=sys.stderr, flush=True)
+    bar = TokenizeProgress(sum(int(shard.get("documents", 0)) for shard in own), len(own),
+                           sum(int(meta["documents"]) for meta in metas.values()), len(metas), enabled=progress,
+                           label=label)
+    with _exact_cuda_math(on_cuda):
+        if num_workers <= 1 or len(todo) <= 1:
+            for path, raw_sha256 in todo:
+                meta = tokenize_shard(path, out_dir, vocab, image_tokenizer, info, batch_size, raw_sha256)
                 metas[meta["name"]] = meta
                 bar.shard_done(int(meta["documents"]))
+        else:
+            # never fork: torch has started its OpenMP threads by now, and a forked child can deadlock in its first
+            # matmul. forkserver forks each worker from a clean server process (torch imported once there);
+            # spawn where there is no forkserver (macOS, Windows). Each worker then uses one intra-op thread.
+            method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
+            context = multiprocessing.get_context(method)
+            with ProcessPoolExecutor(num_workers, mp_context=context, initializer=_init_worker,
+                                     initargs=(vocab, image_tokenizer)) as pool:
+                futures = [pool.submit(_run_in_worker, path, out_dir, info, batch_size, raw_sha256)
+                           for path, raw_sha256 in todo]
+                for future in as_completed(futures):  # the progress counts shards as they finish
+                    meta = future.result()
+                    metas[meta["name"]] = meta
+                    bar.shard_done(int(meta["documents"]))
     bar.close()
     header = {
         **{k: info[k] for k in ("vocab_fingerprint", "image_tokenizer_fingerprint", "vocab_size")},
@@ -295,5 +391,106 @@ def pretokenize(
         "flip_probability": info["flip_probability"],
         "seed": info["seed"],
         "raw_skipped": raw_manifest.get("skipped_count", 0),
+        **made_by,  # every shard's codes were made so (a merge refuses parts made otherwise)
     }
-    return write_manifest(out_dir, header, [metas[s["name"].removesuffix(".tar")] for s in raw_manifest["shards"]])
+    ordered = [(index, shard["name"].removesuffix(".tar")) for index, shard in enumerate(raw_manifest["shards"])
+               if shard["name"] in mine]
+    if world_size == 1:
+        return write_manifest(out_dir, header, [metas[name] for _, name in ordered])
+    part = {
+        "format": PART_FORMAT,
+        "rank": rank,
+        "world_size": world_size,
+        # which run a part belongs to: parts left by a run over other raw shards are never merged with this one's
+        "raw_manifest_sha256": sha256_file(raw_dir / RAW_MANIFEST),
+        "raw_shards": len(raw_manifest["shards"]),
+        "header": header,
+        "shards": [{"index": index, "entry": manifest_entry(metas[name])} for index, name in ordered],
+    }
+    atomic_write_json(out_dir / part_name(rank, world_size), part)
+    # the last rank to finish finds every part and writes the manifest (two finishing at once write the same bytes)
+    try:
+        return merge_parts(out_dir, world_size)
+    except ShardError as err:
+        return {**part, "waiting": str(err)}
+
+
+def part_name(rank: int, world_size: int) -> str:
+    """The file name of rank `rank`'s manifest part on a `world_size`-rank tokenize."""
+    return f"manifest.part-{rank:05d}-of-{world_size:05d}.json"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def merge_parts(token_dir: str | Path, world_size: int | None = None) -> dict:
+    """Write `manifest.json` from the per-rank parts of a split tokenize; returns it. The same bytes as a
+    one-process run writes: the same header, the shards in the raw manifest's order.
+
+    `world_size`: which run's parts, needed only when parts of several world sizes are there. Raises ShardError,
+    saying what to run, when a rank has not finished, when parts disagree (another raw directory, other settings,
+    codes made on another device or dtype), or when a listed shard is no longer the one its rank finished.
+    """
+    token_dir = Path(token_dir)
+    found: dict[int, dict[int, Path]] = {}
+    for path in token_dir.glob("manifest.part-*-of-*.json"):
+        match = _PART_NAME.match(path.name)
+        if match:
+            found.setdefault(int(match["world"]), {})[int(match["rank"])] = path
+    if not found:
+        raise ShardError(f"{token_dir}: no manifest parts (manifest.part-R-of-W.json): they are written by "
+                         "`train.py shards tokenize` run with --world-size W > 1 on each rank R")
+    if world_size is None:
+        if len(found) > 1:
+            raise ShardError(f"{token_dir}: manifest parts of runs with world sizes {_ranks(sorted(found))}; give "
+                             "--world-size to say which run to merge")
+        world_size = next(iter(found))
+    paths = found.get(world_size, {})
+    missing = [rank for rank in range(world_size) if rank not in paths]
+    if missing:
+        raise ShardError(f"{token_dir}: rank {_ranks(missing)} of {world_size} has not finished (no "
+                         f"{part_name(missing[0], world_size)}); run `train.py shards tokenize` there with the same "
+                         "--world-size (finished shards are skipped)")
+    parts = []
+    for rank in range(world_size):
+        try:
+            part = json.loads(paths[rank].read_text())
+        except (OSError, ValueError) as err:
+            raise ShardError(f"{paths[rank]}: unreadable manifest part ({err}); run rank {rank} again") from err
+        if not isinstance(part, dict) or part.get("format") != PART_FORMAT:
+            raise ShardError(f"{paths[rank]}: not a manifest part (format {PART_FORMAT!r}); run rank {rank} again")
+        parts.append(part)
+    for field, what in (("raw_manifest_sha256", "other raw shards (their raw manifests differ)"),
+                        ("header", "other settings")):
+        groups: dict[str, list[int]] = {}
+        for rank, part in enumerate(parts):
+            groups.setdefault(json.dumps(part.get(field), sort_keys=True), []).append(rank)
+        if len(groups) > 1:
+            headers = [parts[ranks[0]]["header"] for ranks in groups.values()]
+            encoders = {" ".join(str(h.get(f)) for f in ENCODER_FIELDS) for h in headers}
+            if field == "header" and len(encoders) > 1:
+                what = f"images encoded on different devices or dtypes ({'; '.join(sorted(encoders))})"
+            split = "; ".join(f"rank {_ranks(ranks)}" for ranks in groups.values())
+            raise ShardError(f"{token_dir}: the {world_size} ranks' parts were written for {what}: {split}. Run "
+                             "the ranks whose part is stale again, with the same data, settings, device and dtype as "
+                             "the others (finished shards are skipped, others' codes redone)")
+    entries: dict[int, dict] = {}
+    for rank, part in enumerate(parts):
+        for item in part["shards"]:
+            entry = item["entry"]
+            meta = read_shard_meta(token_dir, entry["name"])
+            # the meta is written last and removed before a shard is redone: a rank still at work, or a later run,
+            # shows here as a meta that is missing or no longer what this part recorded
+            if meta is None or manifest_entry(meta) != entry:
+                raise ShardError(f"{token_dir}: shard {entry['name']} is not the one rank {rank} finished (missing "
+                                 f"or rewritten since); run rank {rank} of {world_size} again")
+            if item["index"] in entries:
+                raise ShardError(f"{token_dir}: raw shard {item['index']} is listed by two ranks' parts; run the "
+                                 "ranks again with one --world-size")
+            entries[item["index"]] = entry
+    count = int(parts[0]["raw_shards"])
+    if sorted(entries) != list(range(count)):
+        raise ShardError(f"{token_dir}: the parts list {len(entries)} of the {count} raw shards; run every rank "
+                         "again with one --world-size")
+    return write_manifest(token_dir, parts[0]["header"], [entries[index] for index in range(count)])

@@ -12,12 +12,14 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 
 from data_shards.raw import ShardError
-from tokenizer.files import atomic_write_bytes, atomic_write_json
+from tokenizer.files import atomic_path, atomic_write_bytes, atomic_write_json
 from tokenizer.layout import image_code_mask
 
 TOKEN_FORMAT = "early-fusion-tokens/1"
@@ -89,11 +91,62 @@ def check_file(path: Path, expected: dict) -> None:
     _VERIFIED[key] = actual
 
 
+class FeatureWriter:
+    """Writes a shard's `NAME.features.npy` in chunks, never holding the whole array: the bytes equal `np.save` of
+    the concatenated float16 (rows, dim) array. A context manager: the file appears (atomically) only through
+    `finish()`, called by `write_token_shard` before the meta; leaving the block without it removes the temporary."""
+
+    def __init__(self, out_dir: str | Path, name: str, dim: int) -> None:
+        self.path = Path(out_dir) / f"{name}{FEATURES_FILE}"
+        self.dim, self.rows = int(dim), 0
+        # np.save pads its header to 64 bytes; the row count is known only at the end, so its slot is reserved now
+        # and must not change length with the count (it does not below 10**40 rows at any dim below 10**12)
+        self._header_size = len(self._header(0))
+        if len(self._header(2**63 - 1)) != self._header_size:
+            raise ValueError(f"feature dim {dim}: the .npy header length would depend on the row count")
+        self._stack = ExitStack()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp = self._stack.enter_context(atomic_path(self.path))
+        self._handle = self._stack.enter_context(open(self._tmp, "wb"))
+        self._handle.write(b"\0" * self._header_size)
+
+    def _header(self, rows: int) -> bytes:
+        buffer = io.BytesIO()
+        np.lib.format.write_array_header_1_0(
+            buffer, {"descr": np.lib.format.dtype_to_descr(np.dtype(np.float16)), "fortran_order": False,
+                     "shape": (rows, self.dim)})
+        return buffer.getvalue()
+
+    def write(self, rows: np.ndarray) -> None:
+        """Append feature rows (n, dim), stored as float16."""
+        rows = np.asarray(rows)
+        if rows.ndim != 2 or rows.shape[1] != self.dim:
+            raise ValueError(f"{self.path.name}: feature rows must be (n, {self.dim}), got shape {rows.shape}")
+        self._handle.write(np.ascontiguousarray(rows, dtype=np.float16).tobytes())
+        self.rows += rows.shape[0]
+
+    def finish(self) -> dict:
+        """Write the header, move the file into place; returns its {"bytes", "sha256"} for the meta."""
+        self._handle.seek(0)
+        self._handle.write(self._header(self.rows))
+        self._handle.close()
+        checked = {"bytes": os.path.getsize(self._tmp), "sha256": sha256_file(self._tmp)}  # one read back
+        self._stack.close()  # fsync, rename into place
+        return checked
+
+    def __enter__(self) -> FeatureWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self._stack.__exit__(exc_type, exc, tb)  # after finish(): nothing left; otherwise removes the temporary
+
+
 def write_token_shard(out_dir: str | Path, name: str, keys: list[str], documents: list[list[int]], info: dict,
-                      features: np.ndarray | None = None) -> dict:
+                      features: np.ndarray | FeatureWriter | None = None) -> dict:
     """Write one token shard atomically (ids, offsets, then meta last); returns its meta.
 
-    `features` (rows, C) float16: one row per image-code position of the ids, in order (late fusion reads them).
+    `features` (rows, C) float16: one row per image-code position of the ids, in order (late fusion reads them);
+    or a `FeatureWriter` that already holds them on disk (finished here, before the meta).
     """
     out_dir = Path(out_dir)
     vocab_size = info["vocab_size"]
@@ -112,7 +165,9 @@ def write_token_shard(out_dir: str | Path, name: str, keys: list[str], documents
         f"{name}.keys.json": _write_checked(out_dir / f"{name}.keys.json",
                                             (json.dumps(keys, indent=2) + "\n").encode()),
     }
-    if features is not None:
+    if isinstance(features, FeatureWriter):
+        files[f"{name}{FEATURES_FILE}"] = features.finish()
+    elif features is not None:
         if features.ndim != 2:
             raise ValueError(f"shard {name}: features must be (rows, dim), got shape {features.shape}")
         files[f"{name}{FEATURES_FILE}"] = _write_checked(out_dir / f"{name}{FEATURES_FILE}",
@@ -129,11 +184,15 @@ def write_token_shard(out_dir: str | Path, name: str, keys: list[str], documents
     return meta
 
 
+def manifest_entry(meta: dict) -> dict:
+    """What the manifest lists of one shard's meta."""
+    return {k: v for k, v in meta.items()
+            if k in ("name", "source", "raw_sha256", "documents", "tokens", "images", "max_id", "files")}
+
+
 def write_manifest(token_dir: str | Path, header: dict, shard_metas: list[dict]) -> dict:
     """Write `manifest.json` for finished shards: `header` (fingerprints, vocab_size, pad_id, ...) + totals."""
-    shards = [{k: v for k, v in meta.items()
-               if k in ("name", "source", "raw_sha256", "documents", "tokens", "images", "max_id", "files")}
-              for meta in shard_metas]
+    shards = [manifest_entry(meta) for meta in shard_metas]
     manifest = {
         "format": TOKEN_FORMAT,
         "dtype": id_dtype(header["vocab_size"]).name,
@@ -341,14 +400,55 @@ def verify_shard(token_dir: str | Path, entry: dict, vocab_size: int) -> None:
     shard.keys  # noqa: B018 -- reading them checks their count
 
 
-def verify_token_dir(token_dir: str | Path) -> tuple[dict, list[tuple[str, str]]]:
-    """Verify every shard of a token directory; returns (manifest, [(shard name, problem), ...]).
+def rank_subset(names: list[str], rank: int, world_size: int) -> set[str]:
+    """The names process `rank` of `world_size` handles: every world_size-th of the sorted names, from `rank`
+    (disjoint across ranks, together all of them, the same in every process)."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} of world size {world_size}: need world size >= 1 and 0 <= rank < world size")
+    return set(sorted(names)[rank::world_size])
 
-    A manifest that cannot be read raises (nothing else can be checked then).
+
+# Where a launcher says which process this is: torchrun, then SLURM (srun sets one task per process).
+LAUNCHER_VARIABLES = (("RANK", "WORLD_SIZE"), ("SLURM_PROCID", "SLURM_NTASKS"))
+
+
+def process_split(rank: int | None = None, world_size: int | None = None,
+                  environ: dict | None = None) -> tuple[int, int, str]:
+    """(rank, world size, where they came from): the flags when given, else torchrun's RANK/WORLD_SIZE, else
+    SLURM's SLURM_PROCID/SLURM_NTASKS, else one process (0 of 1). Raises ValueError for a half or invalid split."""
+    environ = os.environ if environ is None else environ
+    if rank is not None or world_size is not None:
+        if rank is None or world_size is None:
+            raise ValueError("give --rank and --world-size together (or neither, to read torchrun's or SLURM's)")
+        source = "--rank/--world-size"
+    else:
+        found = next(((r, w) for r, w in LAUNCHER_VARIABLES if r in environ and w in environ), None)
+        if found is None:
+            return 0, 1, "one process"
+        source = f"{found[0]}/{found[1]}"
+        try:
+            rank, world_size = int(environ[found[0]]), int(environ[found[1]])
+        except ValueError as err:
+            raise ValueError(f"{source} from the environment are not integers ({err}); give --rank and "
+                             "--world-size") from err
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} of world size {world_size} (from {source}): need a world size >= 1 and "
+                         "0 <= rank < world size")
+    return rank, world_size, source
+
+
+def verify_token_dir(token_dir: str | Path, rank: int = 0, world_size: int = 1) -> tuple[dict, list[tuple[str, str]]]:
+    """Verify the shards of a token directory; returns (manifest, [(shard name, problem), ...]).
+
+    With `world_size` > 1 only this rank's disjoint subset (`rank_subset`) is checked, so processes or nodes split
+    the work. A manifest that cannot be read raises (nothing else can be checked then).
     """
     manifest = read_manifest(token_dir)
+    mine = rank_subset([entry["name"] for entry in manifest["shards"]], rank, world_size)
     problems = []
     for entry in manifest["shards"]:
+        if entry["name"] not in mine:
+            continue
         try:
             verify_shard(token_dir, entry, manifest["vocab_size"])
         except ShardError as err:

@@ -63,6 +63,17 @@ def build_parser() -> argparse.ArgumentParser:
                           "(float16, embed_dim per code position): what late-fusion models (model.late_fusion) read")
     tok.add_argument("--no-progress", action="store_true", help="print no progress (by default: a bar on a terminal, "
                      "otherwise a plain line at most every 30 s with samples/s and ETA)")
+    _add_split(tok, "tokenizes (and hashes) every world-size-th raw shard; the last rank to finish writes the manifest")
+    tok.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                     help="where the image tokenizer encodes (float32 either way; no TF32); auto: the GPU of this "
+                          "rank (LOCAL_RANK) when there is one. A restart on another device or GPU model tokenizes "
+                          "the shards again instead of mixing codes")
+
+    merge = sub.add_parser("merge", help="write the manifest of a tokenize split across ranks from the ranks' parts "
+                                         "(the last rank does it itself)", formatter_class=DefaultsHelpFormatter)
+    merge.add_argument("dir", metavar="TOKENS_DIR", help="token shard directory holding manifest.part-R-of-W.json files")
+    merge.add_argument("--world-size", type=int, default=None,
+                       help="the run to merge, when parts of several world sizes are there")
 
     ins = sub.add_parser("inspect", help="summarise a raw or token shard directory",
                          formatter_class=DefaultsHelpFormatter)
@@ -73,6 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
     ver = sub.add_parser("verify", help="check every token shard (checksums, ids < vocab_size, offsets, counts); "
                                         "exit 2 when any is bad", formatter_class=DefaultsHelpFormatter)
     ver.add_argument("dir", metavar="TOKENS_DIR", help="token shard directory (from `shards tokenize`)")
+    _add_split(ver, "checks every world-size-th shard")
 
     plan = sub.add_parser("plan", help="write each shard's row count at a seq_len (TOKENS_DIR/plans/rows-N.json), so a "
                                        "training rank lays out an epoch without opening every shard",
@@ -80,6 +92,40 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("dir", metavar="TOKENS_DIR", help="token shard directory (from `shards tokenize`)")
     plan.add_argument("--seq-len", type=int, required=True, help="the training sequence length (data.seq_len)")
     return parser
+
+
+def _add_split(parser: argparse.ArgumentParser, what: str) -> None:
+    """--rank/--world-size: split the work across processes or nodes."""
+    parser.add_argument("--rank", type=int, default=None,
+                        help=f"this process's rank; each rank {what} (default: torchrun's RANK, else SLURM's "
+                             "SLURM_PROCID, else 0)")
+    parser.add_argument("--world-size", type=int, default=None,
+                        help="how many ranks split the work (default: torchrun's WORLD_SIZE, else SLURM's "
+                             "SLURM_NTASKS, else 1)")
+
+
+def _split(args: argparse.Namespace, command: str) -> tuple[int, int]:
+    """(rank, world size) from the flags or the launcher's environment; says so when split."""
+    from data_shards.token_shards import process_split
+
+    rank, world_size, source = process_split(args.rank, args.world_size)
+    if world_size > 1:
+        print(f"{command}: rank {rank} of {world_size} (from {source})", flush=True)
+    return rank, world_size
+
+
+def _encoder_device(choice: str) -> str:
+    """The torch device the image tokenizer encodes on: this rank's GPU (LOCAL_RANK) for auto when there is one."""
+    import os
+
+    import torch
+
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise ValueError("--device cuda, but torch sees no CUDA device here")
+    local = os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or "0"
+    return f"cuda:{int(local) % torch.cuda.device_count()}"
 
 
 def _write(args: argparse.Namespace) -> int:
@@ -110,13 +156,21 @@ def _write(args: argparse.Namespace) -> int:
 
 
 def _tokenize(args: argparse.Namespace) -> int:
-    from data_shards.pretokenize import pretokenize
+    from data_shards.pretokenize import PART_FORMAT, pretokenize
     from data_shards.raw import read_raw_manifest
     from tokenizer.threads import choose_threads, free_cores, parse_threads, usable_cores
     from tokenizer.vocab import UnifiedVocab
 
+    rank, world_size = _split(args, "tokenize")
+    device = _encoder_device(args.device) if args.image_tokenizer else "cpu"
     workers = parse_threads(args.workers, flag="--workers")
-    if workers == "auto":
+    if device != "cpu":
+        if workers not in ("auto", 1):
+            raise ValueError(f"--workers {workers} with the image tokenizer on {device}: one process per GPU; split "
+                             "across GPUs with a rank each (--rank/--world-size, or torchrun --nproc-per-node)")
+        workers = 1
+        print(f"tokenize: encoding images on {device} in one process", flush=True)
+    elif workers == "auto":
         workers = free_cores()
         print(f"tokenize with {workers} worker process{'es' if workers > 1 else ''} ({workers} of {usable_cores()} "
               "cores idle; --workers N to override)", flush=True)
@@ -130,12 +184,28 @@ def _tokenize(args: argparse.Namespace) -> int:
     if args.image_tokenizer:
         from tokenizer.image import ImageTokenizer
 
-        image_tokenizer = ImageTokenizer.from_pretrained(args.image_tokenizer).eval()
+        image_tokenizer = ImageTokenizer.from_pretrained(args.image_tokenizer, map_location=device).eval()
     manifest = pretokenize(args.raw, args.out, vocab, image_tokenizer, flip_probability=args.flip_probability,
                            seed=args.seed, num_workers=workers, batch_size=args.batch_size,
-                           progress=not args.no_progress, features=args.features)
+                           progress=not args.no_progress, features=args.features, rank=rank, world_size=world_size)
+    if manifest["format"] == PART_FORMAT:
+        shards = manifest["shards"]
+        print(f"rank {rank} of {world_size}: {len(shards)} token shards ({sum(s['entry']['documents'] for s in shards)} "
+              f"documents) done at {args.out}; no manifest yet: {manifest['waiting']}. The last rank to finish writes "
+              f"it, or run `train.py shards merge {args.out}` once all have")
+        return 0
+    merged = f" (all {world_size} ranks' parts merged)" if world_size > 1 else ""
     print(f"{manifest['documents']} documents, {manifest['tokens']} tokens, {manifest['images']} images "
-          f"in {len(manifest['shards'])} token shards at {args.out}")
+          f"in {len(manifest['shards'])} token shards at {args.out}{merged}")
+    return 0
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from data_shards.pretokenize import merge_parts
+
+    manifest = merge_parts(args.dir, args.world_size)
+    print(f"{manifest['documents']} documents, {manifest['tokens']} tokens, {manifest['images']} images "
+          f"in {len(manifest['shards'])} token shards at {args.dir}")
     return 0
 
 
@@ -185,12 +255,24 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from data_shards.token_shards import verify_token_dir
+    from data_shards.token_shards import rank_subset, verify_token_dir
 
-    manifest, problems = verify_token_dir(args.dir)
+    rank, world_size = _split(args, "verify")
+    manifest, problems = verify_token_dir(args.dir, rank, world_size)
     for name, problem in problems:
         print(f"BAD {name}: {problem}")
     total = len(manifest["shards"])
+    if world_size > 1:  # this rank's share: the others report theirs
+        mine = rank_subset([s["name"] for s in manifest["shards"]], rank, world_size)
+        checked = [s for s in manifest["shards"] if s["name"] in mine]
+        where = f"rank {rank} of {world_size}: "
+        if problems:
+            print(f"{where}{len(problems)} of the {len(checked)} shards it checked (of {total}) in {args.dir} are bad; "
+                  "re-run `train.py shards tokenize` into a fresh directory")
+            return 2
+        print(f"{where}all {len(checked)} shards it checked (of {total}) in {args.dir} are good "
+              f"({sum(s['documents'] for s in checked)} documents, {sum(s['tokens'] for s in checked)} tokens)")
+        return 0
     if problems:
         print(f"{len(problems)} of {total} shards in {args.dir} are bad; re-run `train.py shards tokenize` into a "
               "fresh directory")
@@ -214,5 +296,5 @@ def _plan(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python train.py shards ...`; bad input (ShardError, ImageLoadError: ValueErrors) exits 2."""
     args = build_parser().parse_args(argv)
-    return {"write": _write, "tokenize": _tokenize, "inspect": _inspect, "verify": _verify,
+    return {"write": _write, "tokenize": _tokenize, "merge": _merge, "inspect": _inspect, "verify": _verify,
             "plan": _plan}[args.action](args)
