@@ -111,6 +111,9 @@ def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: 
     pending: list[tuple[str, list]] = []
     images_done = 0
     with_features = bool(info.get("features"))
+    # on a GPU one encoder call per batch (the tokenizer's own default splits into 32s); on the CPU the calls stay
+    # as they were, so shards from before the device was recorded keep the codes a rerun would compute
+    whole_batch = str(info.get("encoder_device", "")).startswith("cuda")
     with ExitStack() as stack:
         # per image (h*w, C) float16 rows, in the order the images appear in the ids
         writer = (stack.enter_context(FeatureWriter(out_dir, name, image_tokenizer.config.embed_dim))
@@ -123,13 +126,14 @@ def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: 
             image_features: list[torch.Tensor] = []
             for start in range(0, len(images), batch_size):
                 chunk = images[start : start + batch_size]
+                sizes = {"batch_size": len(chunk)} if whole_batch else {}
                 with torch.inference_mode():
                     # plain `encode` without features: an image tokenizer then needs only encode/grid_shape/fingerprint
                     if with_features:
-                        codes, feats = image_tokenizer.encode_with_features(chunk)
+                        codes, feats = image_tokenizer.encode_with_features(chunk, **sizes)
                         image_features.extend(feats.float().cpu())
                     else:
-                        codes = image_tokenizer.encode(chunk)
+                        codes = image_tokenizer.encode(chunk, **sizes)
                 grids.extend(codes.cpu())
             grid_iter, feature_iter = iter(grids), iter(image_features)
             for key, segments in pending:

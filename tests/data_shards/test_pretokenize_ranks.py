@@ -150,10 +150,12 @@ class _CountingTokenizer:
 
     def __init__(self, inner):
         self.inner, self.grid_shape, self.config, self.images = inner, inner.grid_shape, inner.config, 0
+        self.calls: list[dict] = []
 
-    def encode_with_features(self, images):
+    def encode_with_features(self, images, **sizes):
         self.images += len(images)
-        return self.inner.encode_with_features(images)
+        self.calls.append(sizes)
+        return self.inner.encode_with_features(images, **sizes)
 
     def fingerprint(self):
         return self.inner.fingerprint()
@@ -173,6 +175,7 @@ def test_a_restarted_rank_redoes_only_its_unfinished_shard(two_ranks, tmp_path, 
     counting = _CountingTokenizer(image_tokenizer)
     manifest = _rank(raw_dir, out, vocab, counting, 1)
     assert counting.images == 3, "only shard 1 (3 pair documents) is encoded again"
+    assert counting.calls == [{}], "on the CPU the tokenizer's own batching, as before"
     assert manifest["format"] != pretokenize_module.PART_FORMAT, "rank 0's part is there: rank 1 merges"
     assert _files(out) == before
     # rank 0 rerun: all its shards skipped, nothing encoded, the same manifest
@@ -188,6 +191,7 @@ def test_codes_of_another_device_or_dtype_are_redone_and_never_merged(two_ranks,
     counting = _CountingTokenizer(image_tokenizer)
     waiting = _rank(raw_dir, out, vocab, counting, 1)
     assert counting.images == 9, "every shard of rank 1 (1 and 3: 9 images) is encoded again on the other device"
+    assert counting.calls == [{"batch_size": 3}] * 3, "on a GPU, one encoder call per batch"
     assert "encoded on cpu float32 are tokenized again on cuda:Some GPU float32" in capsys.readouterr().err
     metas = [json.loads((out / f"shard-00000{i}.meta.json").read_text()) for i in range(5)]
     assert [m["encoder_device"] for m in metas] == ["cpu", "cuda:Some GPU", "cpu", "cuda:Some GPU", "cpu"]
