@@ -30,6 +30,10 @@ TIME_LIMITS_S["stability"] = 2400.0  # a 20 CPU-minute budget on one thread, plu
 TIME_LIMITS_S["speculative"] = 1200.0  # 6,000 one-image generations on one thread (~5 min idle), plus load
 TIME_LIMITS_S["sampling"] = 2400.0  # two presets x 2 batches x 6 timed paths and 4 compiles on one thread, plus load
 TIME_LIMITS_S["mot"] = 1800.0  # ~7 min idle: 2 train mixes, 5 decode rows, 6 compiles on one thread, plus load
+TIME_LIMITS_S["scale"] = 3600.0  # first run builds a 320M-token dataset (~5 min); 2 trees x 3 sizes x 3 processes
+# benchmarks whose results also get a section of their own in BENCHMARKS.md: name -> (title, module with section(body))
+SECTIONS = {"scale": ("Data at scale: one rank's start-up and memory (issue #33, `bench/bench_scale.py`)",
+                      "bench.bench_scale")}
 
 
 def discover() -> list[str]:
@@ -272,6 +276,10 @@ def render_markdown(directory: Path, failures: dict[str, str] | None = None) -> 
         "Not measured yet: no GPU result in bench/results. The script is dry-run tested on CPU",
         "(`tests/bench/test_gpu_dry_run.py`); run `bash bench/gpu.sh` on a GPU machine.",
     ]
+    for name, (title, module) in SECTIONS.items():
+        if name in results:
+            lines = importlib.import_module(module).section(results[name])
+            out += ["", f"## {title}", "", *lines] if lines else []
     if failures:
         out += ["", "## Not measured in the last run", ""]
         out += [f"- `{name}`: {why}" for name, why in sorted(failures.items())]
