@@ -85,7 +85,7 @@ def _fake_measurements(monkeypatch, calls):
         return {"first_batch_s": 0.1 * shards if grows else 0.2, "first_batch_cpu_s": 0.1,
                 "constructed_s": 0.05, "peak_rss_increase_bytes": 1e6 * (shards if grows else 3),
                 "peak_rss_increase_after_rate_bytes": 4e6, "stream_tokens_per_s": 1e6 if grows else 1.02e6,
-                "stream_tokens_per_cpu_s": 2e6,
+                "stream_tokens_per_cpu_s": 2e6, "real_tokens_per_cpu_s": 1.8e6 if grows else 1.71e6,
                 "real_tokens_per_s": 9e5, "padding_fraction": 0.1, "batches_per_epoch": 5}
 
     def fake_materialize(revision, into):
@@ -142,6 +142,7 @@ def test_the_section_shows_both_trees_the_goal_and_9_tb(tmp_path, monkeypatch, d
     assert "| peak RSS 3x / 1x | 3.00× | 1.00× | ≤ 1.5 |" in section
     assert "| stream tok/s (wall), after / before at the largest size | 1.020 |" in section
     assert "| stream tok/CPU s, after / before at the largest size | 1.000 |" in section
+    assert "| non-padding tok/CPU s, after / before at the largest size | 0.950 |" in section
     assert "| before |" in section.split("On paper at 9 TB")[1] and "linear in tokens" in section
     assert "| after | 0.20 s | 0.10 s | 3.0 MB | as measured at 3× |" in section
     assert "`shards plan` run first" in section and "no `shards plan` in this tree" in section
