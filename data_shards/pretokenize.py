@@ -413,6 +413,9 @@ def pretokenize(
     }
     atomic_write_json(out_dir / part_name(rank, world_size), part)
     # the last rank to finish finds every part and writes the manifest (two finishing at once write the same bytes)
+    missing = [r for r in range(world_size) if not (out_dir / part_name(r, world_size)).is_file()]
+    if missing:
+        return {**part, "waiting": f"{_ranks_of(missing, world_size)} not finished yet"}
     try:
         return merge_parts(out_dir, world_size)
     except ShardError as err:
@@ -426,6 +429,11 @@ def part_name(rank: int, world_size: int) -> str:
 
 def _ranks(ranks: list[int]) -> str:
     return ", ".join(map(str, ranks))
+
+
+def _ranks_of(ranks: list[int], world_size: int) -> str:
+    """"rank 1 of 4 has" / "ranks 1, 3 of 4 have"."""
+    return f"rank {ranks[0]} of {world_size} has" if len(ranks) == 1 else f"ranks {_ranks(ranks)} of {world_size} have"
 
 
 def merge_parts(token_dir: str | Path, world_size: int | None = None) -> dict:
@@ -453,7 +461,7 @@ def merge_parts(token_dir: str | Path, world_size: int | None = None) -> dict:
     paths = found.get(world_size, {})
     missing = [rank for rank in range(world_size) if rank not in paths]
     if missing:
-        raise ShardError(f"{token_dir}: rank {_ranks(missing)} of {world_size} has not finished (no "
+        raise ShardError(f"{token_dir}: {_ranks_of(missing, world_size)} not finished (no "
                          f"{part_name(missing[0], world_size)}); run `train.py shards tokenize` there with the same "
                          "--world-size (finished shards are skipped)")
     parts = []

@@ -134,7 +134,7 @@ def test_shards_merge_rewrites_the_same_manifest(one_process, two_ranks, tmp_pat
     (copy / "manifest.json").unlink()
     (copy / part_name(1, 2)).unlink()
     assert cli.main(["shards", "merge", str(copy)]) == 2
-    assert "rank 1 of 2 has not finished" in capsys.readouterr().err
+    assert "rank 1 of 2 has not finished (no manifest.part-00001-of-00002.json)" in capsys.readouterr().err
     assert not (copy / "manifest.json").exists()
 
 
@@ -173,6 +173,8 @@ def test_a_restarted_rank_redoes_only_its_unfinished_shard(two_ranks, tmp_path, 
     (out / "shard-000001.meta.json").unlink()
     (out / part_name(1, 2)).unlink()
     counting = _CountingTokenizer(image_tokenizer)
+    waiting = _rank(raw_dir, out, vocab, counting, 0)  # rank 0 restarted first: nothing to do, no merge yet
+    assert counting.images == 0 and waiting["waiting"] == "rank 1 of 2 has not finished yet"
     manifest = _rank(raw_dir, out, vocab, counting, 1)
     assert counting.images == 3, "only shard 1 (3 pair documents) is encoded again"
     assert counting.calls == [{}], "on the CPU the tokenizer's own batching, as before"
