@@ -15,6 +15,7 @@ from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image
 from tqdm import tqdm
@@ -107,7 +108,7 @@ def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: 
     name = raw_path.name.removesuffix(".tar")
     raw_sha256 = raw_sha256 or sha256_file(raw_path)
     keys: list[str] = []
-    documents: list[list[int]] = []
+    documents: list[np.ndarray] = []  # int64 ids: 8 bytes a token where a list of ints takes about 36
     pending: list[tuple[str, list]] = []
     images_done = 0
     with_features = bool(info.get("features"))
@@ -147,7 +148,7 @@ def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: 
                 except (ValueError, IndexError) as err:
                     raise ShardError(f"shard {raw_path.name}, key {key!r}: cannot encode document ({err})") from err
                 keys.append(key)
-                documents.append([int(i) for i in ids])
+                documents.append(np.asarray(ids, dtype=np.int64))
             images_done += len(images)
             pending.clear()
 

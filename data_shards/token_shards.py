@@ -141,7 +141,8 @@ class FeatureWriter:
         self._stack.__exit__(exc_type, exc, tb)  # after finish(): nothing left; otherwise removes the temporary
 
 
-def write_token_shard(out_dir: str | Path, name: str, keys: list[str], documents: list[list[int]], info: dict,
+def write_token_shard(out_dir: str | Path, name: str, keys: list[str], documents: list[list[int] | np.ndarray],
+                      info: dict,
                       features: np.ndarray | FeatureWriter | None = None) -> dict:
     """Write one token shard atomically (ids, offsets, then meta last); returns its meta.
 
@@ -152,7 +153,8 @@ def write_token_shard(out_dir: str | Path, name: str, keys: list[str], documents
     vocab_size = info["vocab_size"]
     lengths = np.array([len(d) for d in documents], dtype=np.int64)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    flat = np.fromiter((t for d in documents for t in d), dtype=np.int64, count=int(offsets[-1]))
+    flat = (np.concatenate([np.asarray(d, dtype=np.int64) for d in documents]) if documents
+            else np.zeros(0, dtype=np.int64))
     if flat.size and (flat.min() < 0 or flat.max() >= vocab_size):
         bad = int(np.flatnonzero((flat < 0) | (flat >= vocab_size))[0])
         doc = int(np.searchsorted(offsets, bad, side="right") - 1)
