@@ -7,7 +7,7 @@ from pathlib import Path
 
 import lightning as L
 
-from data_shards.stream import PackedTokenStream, make_dataloader
+from data_shards.stream import DEFAULT_SHUFFLE_WINDOW, PackedTokenStream, make_dataloader
 from data_shards.token_shards import read_manifest
 from tokenizer.compat import check_compatible
 
@@ -38,16 +38,17 @@ class FusionDataModule(L.LightningDataModule):
         vocab: str | None = None,
         image_tokenizer: str | None = None,
         image_features: bool | None = None,
+        shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
     ) -> None:
         """train_dir/val_dir: token-shard directories; batch_size is per device (micro-batch);
         vocab (tokenizer.json) and image_tokenizer (a bundle directory) enable the fingerprint checks;
         image_features: batches carry the shards' image features (None: when the model reads them, i.e. a
-        late-fusion model)."""
+        late-fusion model); shuffle_window: rows (positions) shuffled together after the seeded shard permutation."""
         super().__init__()
         self.save_hyperparameters()
         self.train_dir, self.val_dir = train_dir, val_dir
         self.seq_len, self.batch_size, self.num_workers = seq_len, batch_size, num_workers
-        self.seed, self.shuffle = seed, shuffle
+        self.seed, self.shuffle, self.shuffle_window = seed, shuffle, shuffle_window
         self.vocab, self.image_tokenizer = vocab, image_tokenizer
         self.image_features = image_features
         self._checked = None  # the model config `check` last accepted
@@ -89,12 +90,15 @@ class FusionDataModule(L.LightningDataModule):
         features = self.image_features
         if features is None:
             features = "image_features" in wanted
+        window = self.trainer.accumulate_grad_batches if training and self.trainer is not None else 1
+        # accumulate: an optimizer step reads the rows of one batch of batch_size x window, whatever the split
         stream = PackedTokenStream(directory, self.seq_len, self.batch_size, seed=self.seed, rank=rank,
                                    world_size=world, shuffle=shuffle, image_features=features,
-                                   token_keys="token_keys" in wanted)
-        window = self.trainer.accumulate_grad_batches if training and self.trainer is not None else 1
+                                   token_keys="token_keys" in wanted, accumulate=window,
+                                   shuffle_window=self.shuffle_window)
+        # training: a damaged shard reaches the step as a flagged batch, which stops every rank at that step
         return make_dataloader(stream, num_workers=num_workers, window=window,
-                               count=getattr(module, "window_denominators", None))
+                               count=getattr(module, "window_denominators", None), share_errors=training)
 
     def train_dataloader(self):
         """Training loader (its state_dict travels in Lightning checkpoints: exact mid-epoch resume); with gradient

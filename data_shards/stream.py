@@ -1,42 +1,67 @@
-"""Packed, split and exactly resumable streaming of token shards into (B, T) batches.
+"""Packed, split and exactly resumable streaming of token shards into (B, T) batches, planned at shard granularity.
 
-How it works: every document longer than `seq_len` is cut into pieces of at most `seq_len` tokens (each
-piece is its own document: positions restart at 0, it attends only to itself). Pieces are packed into
-rows ONCE, from the stored lengths only and independently of the epoch (best-fit decreasing), so the
-number of rows, and hence `len()`, is the same every epoch. Each epoch then permutes the rows with a
-generator seeded by (seed, epoch), pads the row count up to a multiple of world_size x batch_size with
-all-padding rows, and deals rows round-robin to ranks: every rank gets the same number of batches and
-every piece is read exactly once per epoch across the job. A rank's batches are dealt round-robin to
-DataLoader workers starting at the resume position, so the resumable state is just (epoch, batches
-consumed). Row composition does not matter to the model because attention never crosses a document
-(see `document_causal_mask`).
+Rows: every document longer than `seq_len` is cut into pieces of at most `seq_len` tokens (each piece is its own
+document: positions restart at 0, it attends only to itself), and each shard's pieces are packed into rows of that
+shard alone (best-fit decreasing, `data_shards.plan`), from its stored lengths only. The row count of every shard
+is read from the dataset's plan file (`train.py shards plan`), so laying out an epoch costs O(shards), never an
+open of every shard; a shard's piece and row tables are built when this rank first reads one of its rows and
+dropped once it moves past the shard's shuffle window.
 
-Resume under another world size (or batch size): the state also records the global position, the number
-of leading rows of the epoch's permutation the whole job has consumed (ranks move in lock step), plus the
-rows past it that some ranks already took (only after `merge_states` of unequal ranks). The new job deals
-the rows not yet consumed round-robin over its ranks; `len()` keeps its value for the new world size, and
-the position is renumbered as batch `len() - remaining batches` of the epoch, so every rank still gets the
-same number of batches and every row is read exactly once across the old and new runs. The loader reports
-the renumbering as `resume_shift` (new position - saved position) so a trainer that restored its own count
-of the epoch's batches can move it too (FusionLightningModule does, at the start of training).
+An epoch's positions: the shards in a permutation seeded by (seed, epoch), their rows concatenated in that order,
+then shuffled within consecutive windows of `shuffle_window` positions (each window by (seed, epoch, window)). With
+S = world_size x batch_size x accumulate (the rows of one optimizer step's global batch), the positions form S
+contiguous streams of ceil(rows / S) positions (positions past the last row are padding rows); optimizer step t reads
+position t of every stream. Rank r owns streams r P .. r P + P - 1 (P = batch_size x accumulate): a contiguous range
+of 1/world of the epoch, hence only its own shards (plus its windows' edges). Its rows, in order, take one position
+from each of its streams per step, and its batch j is its rows [j B, (j + 1) B), so `len()` = ceil(rows / S) x
+accumulate. What a step reads depends only on S: 2 ranks x 2 rows read the step of 1 rank x 4, and 2 micro-batches
+of 2 accumulated read the rows of one batch of 4, in order. A rank's batches go round-robin to DataLoader workers
+starting at the resume position.
+
+Integrity: a shard's files are size + sha256 checked (TokenShard's verify) the first time this process opens it,
+before any of its rows are used; opening one also starts checking the next shard of the epoch's order in a
+background thread, so the hashing is off the step's path. A failure raises ShardError naming the file; under the
+loader the failing rank hands the error to the training step as a flagged batch (`DATA_ERROR`), which shares it in
+the step's collective so every rank stops at the same step (`FusionLightningModule`).
+
+Resume: the state holds the set of consumed positions of the epoch (intervals). Loading it under any world size,
+batch size or accumulation deals the positions not yet consumed, in position order, into the new S contiguous streams;
+`len()` keeps its value for the new S and the position becomes batch `len() - remaining batches` of the epoch, so
+every rank gets the same number of batches and every row is read exactly once across the old and new runs. When
+nothing changed (and the state is at a step boundary) this is the uninterrupted layout (bit-exact). The loader reports the renumbering as `resume_shift` (new position -
+saved position) so a trainer that restored its own count of the epoch's batches can move it too.
 """
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import os
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from data_shards.plan import ShardRows, load_row_counts, pack_rows, shard_rows
 from data_shards.raw import ShardError
 from data_shards.token_shards import TokenShard, read_manifest
 from tokenizer.layout import image_code_mask
+
+__all__ = ["DATA_ERROR", "PackedTokenStream", "ResumableDataLoader", "document_causal_mask", "make_dataloader",
+           "pack_rows", "with_window_denominators"]
+
+# Version of the row layout (how rows are formed and ordered in an epoch); a loader state of another version
+# cannot continue mid-epoch. 1: one global packing and permutation of rows; 2: per-shard packing, shard-level plan.
+LAYOUT_VERSION = 2
+DEFAULT_SHUFFLE_WINDOW = 1 << 16  # positions (rows) shuffled together: 256M tokens at seq_len 4096
+# Key of a batch that carries a data error instead of data (the message, naming the file): the training step
+# shares it with every rank before raising.
+DATA_ERROR = "data_error"
+_EXTRA_TABLES = 2  # shard tables kept beyond those of the windows in use (a stream crossing a window edge)
 
 
 def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
@@ -60,54 +85,80 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
-def pack_rows(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """Pack pieces (each <= seq_len) into rows by best-fit decreasing; returns (row_ptr, piece_ids) in CSR form.
+# -- sets of positions as sorted, disjoint [start, stop) intervals ------------------------------------------------
+Intervals = list[tuple[int, int]]
 
-    Deterministic from `lengths` alone. Each piece, longest first, goes to the open row with the least
-    room that still fits it (found by bisection over the distinct room sizes), else to a new row.
-    About 2.5 s per million pieces here; 0.2% padding on short documents, vs 6% for a greedy packer.
-    """
-    order = np.argsort(-lengths, kind="stable")
-    rooms: list[int] = []  # sorted distinct room sizes of open rows
-    rows_with_room: dict[int, list[int]] = {}
-    row_of = np.empty(len(lengths), dtype=np.int64)
-    num_rows = 0
-    for piece, size in zip(order.tolist(), lengths[order].tolist()):
-        i = bisect.bisect_left(rooms, size)
-        if i < len(rooms):
-            room = rooms[i]
-            row = rows_with_room[room].pop()
-            if not rows_with_room[room]:
-                rooms.pop(i)
+
+def _normalize(intervals: Iterable) -> Intervals:
+    """Sorted, merged, non-empty intervals."""
+    out: Intervals = []
+    for a, b in sorted((int(a), int(b)) for a, b in intervals if int(b) > int(a)):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
         else:
-            row, room, num_rows = num_rows, seq_len, num_rows + 1
-        row_of[piece] = row
-        left = room - size
-        if left > 0:
-            bucket = rows_with_room.setdefault(left, [])
-            if not bucket:
-                bisect.insort(rooms, left)
-            bucket.append(row)
-    row_ptr = np.concatenate([[0], np.cumsum(np.bincount(row_of, minlength=num_rows))]).astype(np.int64)
-    return row_ptr, np.argsort(row_of, kind="stable").astype(np.int64)
+            out.append((a, b))
+    return out
 
 
-def _positions_left(start: int, taken, num_rows: int, count: int | None = None) -> np.ndarray:
-    """Positions >= start of an epoch's row permutation not in `taken`, in order (the first `count` of them)."""
-    stop = num_rows if count is None else min(num_rows, start + count + len(taken))
-    return np.setdiff1d(np.arange(start, stop, dtype=np.int64), np.asarray(taken, dtype=np.int64))[:count]
+def _complement(intervals: Intervals, n: int) -> Intervals:
+    """[0, n) minus normalized `intervals`."""
+    out, at = [], 0
+    for a, b in intervals:
+        if a > at:
+            out.append((at, min(a, n)))
+        at = max(at, b)
+    if at < n:
+        out.append((at, n))
+    return [(a, b) for a, b in out if b > a]
 
 
-def _advance(start: int, taken, count: int, num_rows: int) -> tuple[int, list[int]]:
-    """The global position (first row not consumed, positions past it taken) after `count` more rows."""
-    position = start + count
-    for t in sorted(int(t) for t in taken if t >= start):
-        if t > position:
-            break
-        position += 1  # a taken position before (or at) the new start was consumed already: skip it
-    if position >= num_rows:
-        return num_rows, []
-    return position, sorted(int(t) for t in taken if position < t < num_rows)
+class _Sequence:
+    """The positions of normalized intervals as one sequence: index i -> its i-th position."""
+
+    def __init__(self, intervals: Intervals) -> None:
+        self.intervals = intervals
+        self.starts = np.array([a for a, _ in intervals], dtype=np.int64)
+        lengths = np.array([b - a for a, b in intervals], dtype=np.int64)
+        self.cum = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        self.size = int(self.cum[-1])
+
+    def at(self, index: np.ndarray) -> np.ndarray:
+        """Positions of indices (each in [0, size))."""
+        k = np.searchsorted(self.cum, index, side="right") - 1
+        return self.starts[k] + index - self.cum[k]
+
+    def spans(self, a: int, b: int) -> Intervals:
+        """The positions of indices [a, b) as intervals."""
+        a, b = max(int(a), 0), min(int(b), self.size)
+        out: Intervals = []
+        k = int(np.searchsorted(self.cum, a, side="right") - 1) if a < b else 0
+        while a < b:
+            take = min(b, int(self.cum[k + 1]))
+            out.append((int(self.starts[k] + a - self.cum[k]), int(self.starts[k] + take - self.cum[k])))
+            a, k = take, k + 1
+        return out
+
+
+def _stream_consumption(sequence: _Sequence, first: int, num_batches: int, batch_size: int, accumulate: int,
+                        counts: dict[int, tuple[int, int]]) -> Intervals:
+    """Positions read by ranks {rank: (from batch, to batch)} in a layout dealing `sequence` from batch `first`.
+
+    A rank owns P = batch_size x accumulate streams of span = (num_batches - first) / accumulate indices each;
+    its rows, in order, take one index from each of its streams per optimizer step, and batch j is its rows
+    [(j - first) B, (j - first + 1) B): stream i of rank r has read ceil((k B - i) / P) indices after k batches.
+    """
+    per_rank = batch_size * accumulate
+    span = (num_batches - first) // accumulate
+    out: Intervals = []
+    for rank, (low, high) in counts.items():
+        low, high = max(low - first, 0), max(high - first, 0)
+        for i in range(per_rank):
+            start = min(max(0, -(-(low * batch_size - i) // per_rank)), span)
+            stop = min(max(0, -(-(high * batch_size - i) // per_rank)), span)
+            if stop > start:
+                s = rank * per_rank + i
+                out += sequence.spans(s * span + start, s * span + stop)
+    return out
 
 
 class PackedTokenStream(IterableDataset):
@@ -135,10 +186,19 @@ class PackedTokenStream(IterableDataset):
         check_ids: bool = True,
         image_features: bool = False,
         token_keys: bool = False,
+        shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
+        verify_ahead: bool = True,
+        accumulate: int = 1,
     ) -> None:
+        """shuffle_window: rows shuffled together after the shard permutation (more mixes more shards per window and
+        holds more shard tables at once); verify_ahead: check the next shard's files in a background thread;
+        accumulate: micro-batches per optimizer step (the trainer's accumulate_grad_batches): a step then reads the
+        rows of one batch of batch_size x accumulate, split in order."""
         super().__init__()
-        if seq_len < 1 or batch_size < 1:
-            raise ValueError(f"seq_len and batch_size must be positive, got {seq_len}, {batch_size}")
+        if seq_len < 1 or batch_size < 1 or shuffle_window < 1 or accumulate < 1:
+            raise ValueError(f"seq_len, batch_size, shuffle_window and accumulate must be positive, got {seq_len}, "
+                             f"{batch_size}, {shuffle_window}, {accumulate}")
+        self.accumulate = int(accumulate)
         self.token_dir = Path(token_dir)
         self.manifest = read_manifest(token_dir)
         self.image_features = image_features
@@ -147,47 +207,43 @@ class PackedTokenStream(IterableDataset):
             raise ShardError(f"{self.token_dir} holds no image features (late-fusion models read them): re-run "
                              "`train.py shards tokenize --features` into a fresh directory")
         self.seq_len, self.batch_size, self.seed, self.shuffle = seq_len, batch_size, seed, shuffle
+        self.shuffle_window, self.verify_ahead = int(shuffle_window), verify_ahead
         self.rank, self.world_size = rank, world_size
         self.check_ids = check_ids
+        # a damaged shard ends the pass with a flagged padding batch instead of raising (set by the loader)
+        self.share_errors = False
         self.vocab_size, self.pad_id = self.manifest["vocab_size"], self.manifest["pad_id"]
         self.shard_names = [s["name"] for s in self.manifest["shards"]]
-        # The document table needs only the offsets (small); ids stay on disk until a batch needs them.
-        shard_of, starts, lengths = [], [], []
-        for index, shard in enumerate(self._open_shards()):
-            shard_of.append(np.full(len(shard), index, dtype=np.int32))
-            starts.append(shard.offsets[:-1])
-            lengths.append(shard.lengths)
-        doc_shard, doc_start, doc_len = np.concatenate(shard_of), np.concatenate(starts), np.concatenate(lengths)
-        keep = doc_len > 0
-        doc_shard, doc_start, doc_len = doc_shard[keep], doc_start[keep], doc_len[keep]
-        # Long documents become pieces of at most seq_len tokens.
-        pieces = -(-doc_len // seq_len)
-        piece_doc = np.repeat(np.arange(len(doc_len)), pieces)
-        first = np.cumsum(pieces) - pieces
-        within = np.arange(len(piece_doc)) - np.repeat(first, pieces)
-        self.piece_shard = doc_shard[piece_doc]
-        self.piece_start = doc_start[piece_doc] + within * seq_len
-        self.piece_len = np.minimum(seq_len, doc_len[piece_doc] - within * seq_len)
-        self.num_documents = int(len(doc_len))
-        self.row_ptr, self.row_pieces = pack_rows(self.piece_len, seq_len)
-        self.num_rows = len(self.row_ptr) - 1
+        # rows per shard (manifest order): all the epoch plan needs, O(shards)
+        self.shard_rows = load_row_counts(self.token_dir, self.manifest, seq_len)
+        self.num_rows = int(self.shard_rows.sum())
         self.epoch = 0
         self._start_batch = 0
         self._consumed = 0
-        # After a resume under another layout: (epoch, first batch, first row position, positions past it
-        # already taken); that epoch's batches from `first batch` on deal the rows not yet consumed.
-        self._resume: tuple[int, int, int, tuple[int, ...]] | None = None
-        self._shards: list[TokenShard] | None = None  # opened lazily in each process
+        # After a resume that re-deals the rest of an epoch: (epoch, first batch, positions not consumed then).
+        self._resume: tuple[int, int, Intervals] | None = None
+        self._reset_process_state()
 
-    def _open_shards(self) -> list[TokenShard]:
-        # verify=True: each file's size + sha256 against its meta, hashed once per process (forked DataLoader
-        # workers inherit what __init__ checked), so a damaged shard fails at start-up naming its file
-        return [TokenShard(self.token_dir, name, self.vocab_size, verify=True) for name in self.shard_names]
+    def _reset_process_state(self) -> None:
+        """Per-process caches (tables, open shards, background checks): never shared with a worker or a copy."""
+        self._pid = os.getpid()
+        self._orders: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()  # epoch -> (order, cum rows)
+        self._windows: OrderedDict[tuple[int, int], np.ndarray] = OrderedDict()  # (epoch, window) -> permutation
+        self._tables: OrderedDict[int, tuple[TokenShard, ShardRows]] = OrderedDict()  # shard -> its rows
+        self._checks: dict[int, Future] = {}  # shard -> background verification (returns the opened TokenShard)
+        self._checker: ThreadPoolExecutor | None = None
+        self._verified: set[int] = set()  # shards whose files this process has checked
+        self.shards_opened: list[int] = []  # shard indices this process verified and opened, in order
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_shards"] = None  # memmaps are reopened in the worker, never copied
+        for key in ("_orders", "_windows", "_tables", "_checks", "_checker", "_verified", "shards_opened"):
+            state.pop(key, None)  # memmaps, threads and locks are made again in the worker, never copied
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._reset_process_state()
 
     # -- epoch layout --------------------------------------------------------------------------------
     def world(self) -> tuple[int, int]:
@@ -198,35 +254,160 @@ class PackedTokenStream(IterableDataset):
         return rank, world
 
     def __len__(self) -> int:
-        """Batches per epoch for this rank (the same on every rank and in every epoch)."""
-        _, world = self.world()
-        return -(-self.num_rows // (world * self.batch_size))
+        """Batches per epoch for this rank (the same on every rank and in every epoch; a multiple of accumulate)."""
+        return -(-self.num_rows // self._streams()) * self.accumulate
 
-    def _layout(self, epoch: int) -> tuple[int, int, tuple[int, ...]]:
-        """(first batch, first row position, positions past it already taken) that `epoch` deals from."""
+    def _streams(self) -> int:
+        """Streams of the epoch's positions: one per row of an optimizer step's global batch."""
+        _, world = self.world()
+        return world * self.batch_size * self.accumulate
+
+    def _layout(self, epoch: int) -> tuple[int, _Sequence]:
+        """(first batch, the positions it deals from that batch on) for `epoch`."""
         if self._resume is not None and self._resume[0] == epoch:
-            return self._resume[1:]
-        return 0, 0, ()
+            return self._resume[1], _Sequence(self._resume[2])
+        return 0, _Sequence([(0, self.num_rows)] if self.num_rows else [])
 
-    def row_order(self, epoch: int) -> np.ndarray:
-        """Row indices `epoch` deals from its first batch (0, or the resume batch), padded with -1 (padding row)."""
-        rows = np.arange(self.num_rows)
+    def shard_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(shard indices in the epoch's order, cumulative rows along that order): position p before the window
+        shuffle is row p - cum[q] of shard order[q], where cum[q] <= p < cum[q + 1]."""
+        if epoch not in self._orders:
+            order = np.arange(len(self.shard_names))
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, epoch]).permutation(len(self.shard_names))
+            self._orders[epoch] = (order, np.concatenate([[0], np.cumsum(self.shard_rows[order])]).astype(np.int64))
+            while len(self._orders) > 2:
+                self._orders.popitem(last=False)
+        return self._orders[epoch]
+
+    def _window(self, epoch: int, window: int) -> np.ndarray:
+        key = (epoch, window)
+        if key not in self._windows:
+            size = min(self.shuffle_window, self.num_rows - window * self.shuffle_window)
+            self._windows[key] = np.random.default_rng([self.seed, epoch, window]).permutation(size)
+            while len(self._windows) > 2 * self.batch_size * self.accumulate + 2:
+                self._windows.popitem(last=False)
+        self._windows.move_to_end(key)
+        return self._windows[key]
+
+    def locate(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(shard index, row within the shard) of each of the epoch's positions (each in [0, num_rows))."""
+        positions = np.asarray(positions, dtype=np.int64)
+        unshuffled = positions.copy()
         if self.shuffle:
-            rows = np.random.default_rng([self.seed, epoch]).permutation(self.num_rows)
-        first, start, taken = self._layout(epoch)
-        if start or taken:
-            rows = rows[_positions_left(start, taken, self.num_rows)]
-        _, world = self.world()
-        total = (len(self) - first) * world * self.batch_size
-        return np.concatenate([rows, np.full(total - len(rows), -1, dtype=rows.dtype)])
+            for i, p in enumerate(positions.tolist()):
+                window, at = divmod(p, self.shuffle_window)
+                unshuffled[i] = window * self.shuffle_window + self._window(epoch, window)[at]
+        order, cum = self.shard_order(epoch)
+        q = np.searchsorted(cum, unshuffled, side="right") - 1
+        return order[q], unshuffled - cum[q]
 
-    def batch_rows(self, epoch: int, batch: int, order: np.ndarray | None = None) -> np.ndarray:
-        """Row indices of this rank's batch number `batch` in `epoch` (-1 = padding row)."""
-        rank, world = self.world()
-        order = self.row_order(epoch) if order is None else order
-        first, _, _ = self._layout(epoch)
-        slots = ((batch - first) * self.batch_size + np.arange(self.batch_size)) * world + rank
-        return order[slots]
+    def _window_shards(self, epoch: int, positions: np.ndarray) -> set[int]:
+        """The shards the windows of `positions` draw from (the tables a rank may need while in them)."""
+        order, cum = self.shard_order(epoch)
+        shards: set[int] = set()
+        step = self.shuffle_window if self.shuffle else 1
+        for window in {int(p) // step for p in positions.tolist()}:
+            low, high = window * step, min((window + 1) * step, self.num_rows)
+            q0, q1 = np.searchsorted(cum, [low, high - 1], side="right") - 1
+            shards.update(order[q0 : q1 + 1].tolist())
+        return shards
+
+    def batch_positions(self, epoch: int, batch: int) -> np.ndarray:
+        """The epoch's positions this rank's batch number `batch` reads, one per row (-1 = padding row)."""
+        return self._rank_positions(epoch, (batch - self._layout(epoch)[0]) * self.batch_size + np.arange(self.batch_size))
+
+    def _rank_positions(self, epoch: int, rows: np.ndarray) -> np.ndarray:
+        """Positions of this rank's rows number `rows` (counted from the layout's first batch; -1 = padding)."""
+        rank, _ = self.world()
+        first, sequence = self._layout(epoch)
+        per_rank = self.batch_size * self.accumulate
+        span = (len(self) - first) // self.accumulate
+        step, stream = np.divmod(rows, per_rank)
+        index = (rank * per_rank + stream) * span + step
+        valid = (index < sequence.size) & (rows >= 0) & (step < span)
+        positions = np.full(len(rows), -1, dtype=np.int64)
+        if valid.any():
+            positions[valid] = sequence.at(index[valid])
+        return positions
+
+    def _step_positions(self, epoch: int, batch: int) -> np.ndarray:
+        """Positions every stream of this rank reads at the optimizer step(s) of batch `batch` (real ones)."""
+        per_rank = self.batch_size * self.accumulate
+        first, _ = self._layout(epoch)
+        low, high = (batch - first) * self.batch_size // per_rank, ((batch - first + 1) * self.batch_size - 1) // per_rank
+        rows = (np.arange(low, high + 1)[:, None] * per_rank + np.arange(per_rank)).ravel()
+        positions = self._rank_positions(epoch, rows)
+        return positions[positions >= 0]
+
+    def rank_shards(self, epoch: int) -> set[int]:
+        """The shards this rank may read in `epoch` from its current position: those of the windows its positions
+        fall in (what it opens, plus at most the one checked ahead)."""
+        shards: set[int] = set()
+        for batch in range(self._start_batch if epoch == self.epoch else 0, len(self)):
+            shards |= self._window_shards(epoch, self._step_positions(epoch, batch))
+        return shards
+
+    # -- shard tables and integrity -------------------------------------------------------------------
+    def _check(self, shard: int) -> Future:
+        """The (started) verification of a shard's files; its result is the opened TokenShard."""
+        if shard not in self._checks:
+            if self._checker is None:
+                self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-verify")
+            # hashed once per process: a shard reopened after its table was dropped is not hashed again
+            verify = shard not in self._verified
+            future = self._checker.submit(TokenShard, self.token_dir, self.shard_names[shard], self.vocab_size, verify)
+            if not self.verify_ahead:
+                future.result()
+            self._checks[shard] = future
+        return self._checks[shard]
+
+    def _table(self, epoch: int, shard: int) -> tuple[TokenShard, ShardRows]:
+        """A shard's open files and rows, verified before first use; checking the next shard of the order starts."""
+        if shard not in self._tables:
+            check = self._check(shard)
+            order, _ = self.shard_order(epoch)
+            following = int(np.flatnonzero(order == shard)[0]) + 1
+            if self.verify_ahead and following < len(order):
+                self._check(int(order[following]))
+            opened: TokenShard = check.result()  # raises ShardError naming the file; before any row is used
+            self._verified.add(shard)
+            rows = shard_rows(opened.offsets, self.seq_len)
+            if rows.num_rows != int(self.shard_rows[shard]):
+                raise ShardError(f"shard {opened.name} ({opened.path('.offsets.npy')}) packs into {rows.num_rows} rows "
+                                 f"at seq_len {self.seq_len}, but the row plan says {int(self.shard_rows[shard])}: "
+                                 f"the plan is stale; run `train.py shards plan {self.token_dir} --seq-len "
+                                 f"{self.seq_len}`")
+            self._tables[shard] = (opened, rows)
+            self.shards_opened.append(shard)
+        self._tables.move_to_end(shard)
+        return self._tables[shard]
+
+    def _release(self, keep: set[int]) -> None:
+        """Drop shard tables outside `keep` beyond a few recent ones (and their finished checks)."""
+        spare = [s for s in self._tables if s not in keep]
+        for shard in spare[: max(0, len(spare) - _EXTRA_TABLES)]:
+            del self._tables[shard]
+            self._checks.pop(shard, None)
+
+    def batch_pieces(self, epoch: int, batch: int) -> list[list[tuple[int, int, int]]]:
+        """This rank's batch `batch` of `epoch` as pieces: per row, [(shard index, start in the shard's ids, length),
+        ...] in row order ([] for a padding row)."""
+        if self._pid != os.getpid():  # a forked worker: its parent's threads and open files are not its own
+            self._reset_process_state()
+        positions = self.batch_positions(epoch, batch)
+        real = positions >= 0
+        out: list[list[tuple[int, int, int]]] = [[] for _ in positions]
+        if not real.any():
+            return out
+        shards, rows = self.locate(epoch, positions[real])
+        # keep the tables of the windows every stream of this rank is in at this step: the next batches read them
+        self._release(self._window_shards(epoch, self._step_positions(epoch, batch)) | set(shards.tolist()))
+        for i, shard, row in zip(np.flatnonzero(real).tolist(), shards.tolist(), rows.tolist()):
+            _, table = self._table(epoch, shard)
+            pieces = table.row_pieces[table.row_ptr[row] : table.row_ptr[row + 1]].tolist()
+            out[i] = [(shard, int(table.piece_start[p]), int(table.piece_len[p])) for p in pieces]
+        return out
 
     # -- position ------------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -242,16 +423,16 @@ class PackedTokenStream(IterableDataset):
         self.epoch, self._start_batch, self._consumed = int(epoch), int(batches_consumed), int(batches_consumed)
 
     def signature(self) -> str:
-        """A hash of what fixes the batch layout (data, seq_len, batch size, seed, shuffle, world size)."""
+        """A hash of what fixes the batch layout (rows and their order, batch size, world size)."""
         _, world = self.world()
-        text = repr((self.manifest["shards"], self.manifest["vocab_fingerprint"], self.seq_len, self.batch_size,
-                     self.seed, self.shuffle, world))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return hashlib.sha256(repr((self.order_signature(), self.batch_size, world, self.accumulate)).encode()
+                              ).hexdigest()[:16]
 
     def order_signature(self) -> str:
-        """A hash of what fixes the rows and their order in each epoch (data, seq_len, seed, shuffle)."""
+        """A hash of what fixes the rows and their order in each epoch (data, seq_len, seed, shuffle, its window,
+        the layout version)."""
         text = repr((self.manifest["shards"], self.manifest["vocab_fingerprint"], self.seq_len, self.seed,
-                     self.shuffle))
+                     self.shuffle, self.shuffle_window if self.shuffle else None, LAYOUT_VERSION))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def state_dict(self) -> dict:
@@ -259,37 +440,52 @@ class PackedTokenStream(IterableDataset):
         return self.position_state(self.epoch, self._consumed)
 
     def position_state(self, epoch: int, batches_consumed: int) -> dict:
-        """The resumable state for a position: (epoch, batches consumed), what fixes the layout, and the
-        global position: `rows_consumed` leading rows of the epoch's permutation plus `rows_taken` positions
-        past it are consumed once every rank has consumed `batches_consumed` batches (ranks in lock step)."""
+        """The resumable state for a position: (epoch, batches consumed), what fixes the layout, and the positions
+        of the epoch the whole job has consumed once every rank consumed `batches_consumed` batches (`consumed`,
+        intervals; `rows_consumed` counts them); `first`/`remaining` describe a re-dealt layout (after a resume)."""
         rank, world = self.world()
-        first, start, taken = self._layout(epoch)
-        dealt = max(0, batches_consumed - first) * world * self.batch_size
-        rows_consumed, rows_taken = _advance(start, taken, dealt, self.num_rows)
-        return {"epoch": int(epoch), "batches_consumed": int(batches_consumed), "num_batches": len(self),
-                "signature": self.signature(), "order_signature": self.order_signature(), "rank": rank,
-                "world_size": world, "batch_size": self.batch_size, "num_rows": self.num_rows,
-                "rows_consumed": rows_consumed, "rows_taken": rows_taken}
+        first, sequence = self._layout(epoch)
+        consumed = _complement(sequence.intervals, self.num_rows) + _stream_consumption(
+            sequence, first, len(self), self.batch_size, self.accumulate,
+            {r: (first, batches_consumed) for r in range(world)})
+        consumed = _normalize(consumed)
+        state = {"epoch": int(epoch), "batches_consumed": int(batches_consumed), "num_batches": len(self),
+                 "signature": self.signature(), "order_signature": self.order_signature(), "layout": LAYOUT_VERSION,
+                 "rank": rank, "world_size": world, "batch_size": self.batch_size, "accumulate": self.accumulate,
+                 "num_rows": self.num_rows,
+                 "rows_consumed": sum(b - a for a, b in consumed), "rows_taken": [],
+                 "consumed": [list(iv) for iv in consumed]}
+        if self._resume is not None and self._resume[0] == epoch:
+            state["first"], state["remaining"] = first, [list(iv) for iv in sequence.intervals]
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Resume exactly at a state from `state_dict()` (or `merge_states`), also under another world size.
 
-        With the same rows (data, seq_len, seed, shuffle) the next batches deal the rows not yet consumed
-        round-robin over this world size and batch size, and the position becomes batch `len(self) -
-        remaining batches`: bit-exact when nothing changed. A state saved with other data or settings is
-        accepted only at an epoch boundary (the next epoch starts); mid-epoch it is refused.
+        With the same rows (data, seq_len, seed, shuffle, layout version) the next batches deal the positions not
+        yet consumed into this world size x batch size's streams, and the position becomes batch `len(self) -
+        remaining batches`: bit-exact when nothing changed. A state saved with other data or settings (or by a
+        loader with another row layout) is accepted only at an epoch boundary (the next epoch starts); mid-epoch it
+        is refused.
         """
         epoch, consumed = int(state["epoch"]), int(state["batches_consumed"])
-        if "rows_consumed" in state and state.get("order_signature") == self.order_signature():
-            self._resume_at(epoch, int(state["rows_consumed"]), state.get("rows_taken", ()), consumed)
+        if "consumed" in state and state.get("order_signature") == self.order_signature():
+            self._resume_at(epoch, _normalize(state["consumed"]))
             return
         if state.get("signature") != self.signature():
             if consumed >= state.get("num_batches", float("inf")):
                 epoch, consumed = epoch + 1, 0
             elif consumed != 0:
+                if state.get("layout") != LAYOUT_VERSION:
+                    raise ValueError(
+                        f"loader state (epoch {epoch}, batch {consumed}) was saved by a loader with row layout "
+                        f"{state.get('layout', 1)}, and this one packs rows per shard and orders them by a shard plan "
+                        f"(layout {LAYOUT_VERSION}): exact resume mid-epoch is impossible: resume from an "
+                        "end-of-epoch checkpoint or start a new epoch with set_epoch"
+                    )
                 raise ValueError(
                     f"loader state (epoch {epoch}, batch {consumed}) was saved for other data or settings "
-                    "(shards, seq_len, seed or shuffle differ); exact resume mid-epoch "
+                    "(shards, seq_len, seed, shuffle or shuffle_window differ); exact resume mid-epoch "
                     "is impossible: resume from an end-of-epoch checkpoint or start a new epoch with set_epoch"
                 )
             warnings.warn(f"loader state was saved with other data or settings; starting epoch {epoch} afresh",
@@ -297,53 +493,54 @@ class PackedTokenStream(IterableDataset):
         self._resume = None
         self.set_position(epoch, consumed)
 
-    def _resume_at(self, epoch: int, start: int, taken, saved_batches: int) -> None:
-        start, rows_taken = _advance(start, taken, 0, self.num_rows)
+    def _plain_consumed(self, batches: int) -> Intervals:
+        """What the uninterrupted layout has consumed after `batches` batches of every rank."""
         _, world = self.world()
-        per_batch = world * self.batch_size
-        remaining = self.num_rows - start - len(rows_taken)
-        first = len(self) - -(-remaining // per_batch)
+        sequence = _Sequence([(0, self.num_rows)] if self.num_rows else [])
+        return _normalize(_stream_consumption(sequence, 0, len(self), self.batch_size, self.accumulate,
+                                              {r: (0, batches) for r in range(world)}))
+
+    def _resume_at(self, epoch: int, consumed: Intervals) -> None:
+        remaining = _complement(consumed, self.num_rows)
+        left = sum(b - a for a, b in remaining)
+        first = len(self) - -(-left // self._streams()) * self.accumulate
         # The plain layout reaches this position by itself (always so when the layout did not change):
         # keep it, so a resume under the same settings is the uninterrupted run bit for bit.
-        plain = not rows_taken and start == min(first * per_batch, self.num_rows)
-        self._resume = None if plain else (epoch, first, start, tuple(rows_taken))
+        plain = consumed == self._plain_consumed(first)
+        self._resume = None if plain else (epoch, first, remaining)
         self.set_position(epoch, first)
 
     @staticmethod
     def merge_states(states: list[dict]) -> dict:
         """One state from the `state_dict()` of every rank of a job, also when they consumed unequal counts.
 
-        It resumes at the lowest common position and lists the rows past it that some ranks already took
-        (`rows_taken`); `load_state_dict` then deals only the rows nobody consumed.
+        Its `consumed` is the union of what every rank read; `batches_consumed` is the lowest count and
+        `rows_taken` lists the positions the ranks ahead read past it. `load_state_dict` deals only the rest.
         """
-        if not states or any("rows_consumed" not in s for s in states):
-            raise ValueError("merge_states needs the state_dict() of every rank (states with rows_consumed)")
+        if not states or any("consumed" not in s for s in states):
+            raise ValueError("merge_states needs the state_dict() of every rank (states with consumed positions)")
         base = min(states, key=lambda s: s["batches_consumed"])
-        for key in ("epoch", "order_signature", "world_size", "batch_size", "num_rows"):
-            if len({s[key] for s in states}) != 1:
-                raise ValueError(f"states of one job must agree on {key}; got {sorted({s[key] for s in states})}")
+        for key in ("epoch", "order_signature", "world_size", "batch_size", "accumulate", "num_rows", "num_batches"):
+            if len({s.get(key, 1) for s in states}) != 1:
+                raise ValueError(f"states of one job must agree on {key}; got {sorted({s.get(key, 1) for s in states})}")
         world, batch, num_rows = base["world_size"], base["batch_size"], base["num_rows"]
         if sorted(s["rank"] for s in states) != list(range(world)):
             raise ValueError(f"need the state of each of ranks 0..{world - 1} once, got ranks "
                              f"{sorted(s['rank'] for s in states)}")
+        first = int(base.get("first", 0))
+        remaining = _normalize(base["remaining"]) if "remaining" in base else [(0, num_rows)] if num_rows else []
         low = base["batches_consumed"]
-        ahead = max(s["batches_consumed"] for s in states) - low
-        left = _positions_left(base["rows_consumed"], base["rows_taken"], num_rows, ahead * world * batch)
-        taken = list(base["rows_taken"])
-        for s in states:
-            # rank r's batch low + j held the rows at these indices of what was left at `low` (round-robin)
-            j = np.arange(s["batches_consumed"] - low)[:, None]
-            index = ((j * batch + np.arange(batch)) * world + s["rank"]).ravel()
-            taken += left[index[index < len(left)]].tolist()
-        rows_consumed, rows_taken = _advance(base["rows_consumed"], taken, 0, num_rows)
-        return {**base, "rank": None, "rows_consumed": rows_consumed, "rows_taken": rows_taken}
+        taken = _stream_consumption(_Sequence(remaining), first, base["num_batches"], batch, base.get("accumulate", 1),
+                                    {s["rank"]: (low, s["batches_consumed"]) for s in states})
+        consumed = _normalize([*map(tuple, base["consumed"]), *taken])
+        rows_taken = sorted(p for a, b in taken for p in range(a, b))
+        return {**base, "rank": None, "consumed": [list(iv) for iv in consumed],
+                "rows_consumed": sum(b - a for a, b in consumed), "rows_taken": rows_taken}
 
     # -- batches -------------------------------------------------------------------------------------
-    def make_batch(self, rows: np.ndarray) -> dict[str, torch.Tensor]:
-        """Materialise rows (indices into the packing; -1 = padding) as the batch dict."""
-        if self._shards is None:
-            self._shards = self._open_shards()
-        b, t = len(rows), self.seq_len
+    def make_batch(self, pieces: list[list[tuple[int, int, int]]]) -> dict[str, torch.Tensor]:
+        """Materialise rows given as pieces (see `batch_pieces`) as the batch dict."""
+        b, t = len(pieces), self.seq_len
         input_ids = np.full((b, t), self.pad_id, dtype=np.int64)
         document_ids = np.full((b, t), -1, dtype=np.int64)
         position_ids = np.zeros((b, t), dtype=np.int64)
@@ -352,14 +549,10 @@ class PackedTokenStream(IterableDataset):
         if self.image_features:
             features = np.zeros((b, t, int(self.manifest["feature_dim"])), dtype=np.float32)
             image_offset, image_codes = int(self.manifest["image_offset"]), int(self.manifest["image_codes"])
-        for i, row in enumerate(rows.tolist()):
-            if row < 0:
-                continue
-            pieces = self.row_pieces[self.row_ptr[row] : self.row_ptr[row + 1]]
+        for i, row in enumerate(pieces):
             cursor = 0
-            for doc, piece in enumerate(pieces.tolist()):
-                shard = self._shards[self.piece_shard[piece]]
-                start, length = int(self.piece_start[piece]), int(self.piece_len[piece])
+            for doc, (index, start, length) in enumerate(row):
+                shard = self._tables[index][0] if index in self._tables else self._check(index).result()
                 chunk = shard.ids[start : start + length]
                 if self.check_ids and int(chunk.max()) >= self.vocab_size:
                     shard.check_ids(start, start + length)
@@ -367,7 +560,7 @@ class PackedTokenStream(IterableDataset):
                 document_ids[i, cursor : cursor + length] = doc
                 position_ids[i, cursor : cursor + length] = np.arange(length)
                 if keys is not None:
-                    keys[i, cursor : cursor + length] = (int(self.piece_shard[piece]) << 40) + start + np.arange(length)
+                    keys[i, cursor : cursor + length] = (index << 40) + start + np.arange(length)
                 if features is not None:
                     at = np.flatnonzero(image_code_mask(chunk, image_offset, image_codes))
                     features[i, cursor + at] = shard.image_features(start, start + length, image_offset, image_codes)
@@ -387,11 +580,20 @@ class PackedTokenStream(IterableDataset):
         worker = get_worker_info()
         worker_id, workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
         epoch, start = self.epoch, self._start_batch
-        order = self.row_order(epoch)
         # Batch j (j >= start) goes to worker (j - start) % workers: DataLoader pulls workers round-robin,
         # so the batches come out in order j = start, start + 1, ... whatever the worker count.
         for batch in range(start + worker_id, len(self), workers):
-            out = self.make_batch(self.batch_rows(epoch, batch, order))
+            try:
+                out = self.make_batch(self.batch_pieces(epoch, batch))
+            except ShardError as err:
+                if not self.share_errors:
+                    raise
+                # Raising here would stop this rank alone while the others wait in the step's collective: hand the
+                # step a batch without data that carries the message, for it to share with every rank and raise.
+                rank, _ = self.world()
+                yield {**self.make_batch([[] for _ in range(self.batch_size)]),
+                       DATA_ERROR: f"rank {rank}, batch {batch} of epoch {epoch}: {err}"}
+                return
             if worker is None:
                 self._consumed = batch + 1
             yield out
@@ -420,12 +622,16 @@ or late (shrinking job): `align_batch_progress` in the training layer does that.
     """
 
     def __init__(self, stream: PackedTokenStream, num_workers: int = 0, *, window: int = 1,
-                 count: Callable[[dict], dict[str, torch.Tensor] | None] | None = None, **kwargs) -> None:
+                 count: Callable[[dict], dict[str, torch.Tensor] | None] | None = None, share_errors: bool = False,
+                 **kwargs) -> None:
         """window, count: read each optimizer step's `window` micro-batches (batch indices [k window, (k+1) window)
         of the epoch) ahead, and give each of them `window_denominators` = the sum of `count(batch)` over its
-        step, so a loss can be divided by its count over the whole step (exact gradient accumulation)."""
+        step, so a loss can be divided by its count over the whole step (exact gradient accumulation).
+        share_errors: a damaged shard yields a padding batch holding the message under DATA_ERROR (then the pass
+        ends) instead of raising in this rank alone; the training step shares it with every rank."""
         if kwargs.get("persistent_workers"):
             raise ValueError("persistent_workers would keep stale positions in the workers; leave it off")
+        stream.share_errors = share_errors
         super().__init__(stream, batch_size=None, num_workers=num_workers, **kwargs)
         self._epoch, self._consumed, self._fresh = stream.epoch, 0, True
         self.window, self.count = max(int(window), 1), count

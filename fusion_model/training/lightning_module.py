@@ -30,6 +30,15 @@ class NonFiniteLossError(RuntimeError):
     """Training met a NaN/inf loss or gradient norm and `nonfinite='stop'`."""
 
 
+# The batch key under which the train loader hands a step the message of a damaged shard instead of data
+# (data_shards.stream.DATA_ERROR; the model layers do not import the data layer).
+DATA_ERROR = "data_error"
+
+
+class DataFailureError(ValueError):
+    """A rank's loader found damaged training data; raised on every rank at the same step (bad input: exit 2)."""
+
+
 def align_batch_progress(trainer: L.Trainer) -> int:
     """Move Lightning's restored count of the epoch's batches by the train loader's `resume_shift`; returns it.
 
@@ -255,10 +264,15 @@ class FusionLightningModule(L.LightningModule):
         self.decoder_positions += int(objective.positions)
         denominators = self._denominators(objective, batch)
         raw = torch.stack([term.total.detach().float().reshape(()) for term in objective.terms.values()]).sum()
-        # one collective for all: the global counts and whether any rank saw a non-finite loss
-        stats = torch.cat([denominators, (~torch.isfinite(raw)).float()[None]])
+        # one collective for all: the global counts, whether any rank saw a non-finite loss, and whether any rank's
+        # loader found a damaged shard (its batch is padding that carries the message)
+        data_error = batch.get(DATA_ERROR)
+        flags = torch.stack([(~torch.isfinite(raw)).float(), raw.new_tensor(float(data_error is not None))])
+        stats = torch.cat([denominators, flags.to(denominators.device)])
         stats = self.trainer.strategy.reduce(stats, reduce_op="sum") if self.trainer.world_size > 1 else stats
-        global_denominators, bad_ranks = stats[:-1], int(stats[-1].item())
+        global_denominators, bad_ranks, data_ranks = stats[:-2], int(stats[-2].item()), int(stats[-1].item())
+        if data_ranks:
+            self._data_failure(data_error, data_ranks, batch_idx)
         if bad_ranks:
             self._nonfinite(f"loss {raw.item()} on this rank ({bad_ranks} rank(s) non-finite)", batch_idx)
             # skip: a zero loss hanging off every parameter keeps DDP/FSDP collectives in step; the
@@ -284,6 +298,18 @@ class FusionLightningModule(L.LightningModule):
         for name, (value, count) in objective.metrics.items():
             self.log(f"{prefix}/{name}", value, on_step=training, on_epoch=not training, sync_dist=not training,
                      batch_size=weight(count))
+
+    def _data_failure(self, message: str | None, ranks: int, batch_idx: int) -> None:
+        """Raise DataFailureError on every rank, naming what each failing rank found (every rank is in this step)."""
+        messages = [message]
+        if self.trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            messages = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(messages, message)  # all ranks got here from the same all-reduce
+        found = "; ".join(m for m in messages if m) or f"{ranks} rank(s) found damaged data (see their logs)"
+        raise DataFailureError(
+            f"damaged training data at optimizer step {self.global_step}, batch {batch_idx} of epoch "
+            f"{self.current_epoch}: {found}. Training stopped on every rank; no checkpoint was written for this step."
+        )
 
     def _nonfinite(self, what: str, batch_idx: int) -> None:
         """Stop with a message naming step and batch, or (skip policy) count and carry on."""

@@ -31,7 +31,7 @@ def _epoch_documents(token_dir, tok, *, world_size, workers, epochs, seq_len=32,
 
 
 def test_every_document_exactly_once_for_2_ranks_2_workers_2_epochs(tmp_path, tok):
-    documents = tok.make_documents(50)
+    documents = tok.make_documents(56)  # 25 rows packed per shard: 5 batches per rank
     token_dir = tok.make_token_dir(tmp_path / "tokens", documents)
     seen, counts = _epoch_documents(token_dir, tok, world_size=2, workers=2, epochs=2)
     expected = Counter(tuple(d) for d in documents)

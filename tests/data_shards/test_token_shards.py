@@ -116,7 +116,7 @@ def test_a_damaged_shard_is_named_by_the_stream_and_by_shards_verify(tmp_path, t
     path = token_dir / "shard-000001.ids.npy"
     corrupt(path)
     with pytest.raises(ValueError, match=re.escape(str(path))) as info:
-        PackedTokenStream(token_dir, 32, 2)
+        list(PackedTokenStream(token_dir, 32, 2))  # checked when the stream first opens the shard
     assert "shards tokenize` into a fresh directory" in str(info.value)
     assert cli.main(["shards", "verify", str(token_dir)]) == 2
     out = capsys.readouterr().out.splitlines()
