@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                           formatter_class=DefaultsHelpFormatter)
     plan.add_argument("dir", metavar="TOKENS_DIR", help="token shard directory (from `shards tokenize`)")
     plan.add_argument("--seq-len", type=int, required=True, help="the training sequence length (data.seq_len)")
+    plan.add_argument("--workers", type=int, default=1, help="processes that share the shards (packing is pure "
+                                                             "Python: about 0.8 s of CPU per million documents)")
     return parser
 
 
@@ -287,7 +289,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     if args.seq_len < 1:
         raise SystemExit(f"--seq-len must be positive, got {args.seq_len}")
-    path = write_plan(args.dir, args.seq_len)
+    path = write_plan(args.dir, args.seq_len, workers=max(1, args.workers))
     rows = sum(json.loads(path.read_text())["rows"])
     print(f"wrote {path}: {rows} rows of {args.seq_len} tokens")
     return 0

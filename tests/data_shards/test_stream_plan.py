@@ -232,9 +232,11 @@ def test_a_damaged_shard_is_caught_on_first_open_before_any_of_its_rows_is_used(
 
 def test_shards_plan_writes_the_file_the_stream_reads_without_opening_a_shard(tmp_path, tok, monkeypatch, capsys):
     token_dir, _ = _many_shards(tmp_path, tok, documents=40)
-    assert cli.main(["shards", "plan", str(token_dir), "--seq-len", str(SEQ_LEN)]) == 0
+    assert cli.main(["shards", "plan", str(token_dir), "--seq-len", str(SEQ_LEN), "--workers", "2"]) == 0
     plan = json.loads(plan_path(token_dir, SEQ_LEN).read_text())
     assert plan["shards"] == [f"shard-{i:06d}" for i in range(10)] and len(plan["rows"]) == 10
+    manifest = json.loads((token_dir / "manifest.json").read_text())
+    assert plan["rows"] == plan_module.compute_row_counts(token_dir, manifest, SEQ_LEN), "2 processes = 1"
     capsys.readouterr()
     opened = []
     original = TokenShard.__init__
