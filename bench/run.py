@@ -33,7 +33,9 @@ TIME_LIMITS_S["mot"] = 1800.0  # ~7 min idle: 2 train mixes, 5 decode rows, 6 co
 TIME_LIMITS_S["scale"] = 3600.0  # first run builds a 320M-token dataset (~5 min); 2 trees x 3 sizes x 3 processes
 # benchmarks whose results also get a section of their own in BENCHMARKS.md: name -> (title, module with section(body))
 SECTIONS = {"scale": ("Data at scale: one rank's start-up and memory (issue #33, `bench/bench_scale.py`)",
-                      "bench.bench_scale")}
+                      "bench.bench_scale"),
+            "mot": ("Mixture-of-Transformers against dense at equal active parameters (issue #31, "
+                    "`bench/bench_mot.py`)", "bench.bench_mot")}
 
 
 def discover() -> list[str]:
