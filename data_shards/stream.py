@@ -214,6 +214,9 @@ class PackedTokenStream(IterableDataset):
         self.share_errors = False
         self.vocab_size, self.pad_id = self.manifest["vocab_size"], self.manifest["pad_id"]
         self.shard_names = [s["name"] for s in self.manifest["shards"]]
+        # the data's identity, hashed once: the shard list is O(shards) text, and signatures are taken at every save
+        self._data_key = hashlib.sha256(repr((self.manifest["shards"], self.manifest["vocab_fingerprint"])).encode()
+                                        ).hexdigest()
         # rows per shard (manifest order): all the epoch plan needs, O(shards)
         self.shard_rows = load_row_counts(self.token_dir, self.manifest, seq_len)
         self.num_rows = int(self.shard_rows.sum())
@@ -431,8 +434,8 @@ class PackedTokenStream(IterableDataset):
     def order_signature(self) -> str:
         """A hash of what fixes the rows and their order in each epoch (data, seq_len, seed, shuffle, its window,
         the layout version)."""
-        text = repr((self.manifest["shards"], self.manifest["vocab_fingerprint"], self.seq_len, self.seed,
-                     self.shuffle, self.shuffle_window if self.shuffle else None, LAYOUT_VERSION))
+        text = repr((self._data_key, self.seq_len, self.seed, self.shuffle, self.shuffle_window if self.shuffle else None,
+                     LAYOUT_VERSION))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def state_dict(self) -> dict:
