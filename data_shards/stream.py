@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from data_shards.plan import ShardRows, load_row_counts, pack_rows, shard_rows
+from data_shards.plan import ShardRows, load_row_counts, manifest_digest, pack_rows, shard_rows
 from data_shards.raw import ShardError
 from data_shards.token_shards import TokenShard, read_manifest
 from tokenizer.layout import image_code_mask
@@ -214,9 +214,9 @@ class PackedTokenStream(IterableDataset):
         self.share_errors = False
         self.vocab_size, self.pad_id = self.manifest["vocab_size"], self.manifest["pad_id"]
         self.shard_names = [s["name"] for s in self.manifest["shards"]]
-        # the data's identity, hashed once: the shard list is O(shards) text, and signatures are taken at every save
-        self._data_key = hashlib.sha256(repr((self.manifest["shards"], self.manifest["vocab_fingerprint"])).encode()
-                                        ).hexdigest()
+        # the data's identity, hashed once (signatures are taken at every save): the manifest's bytes name every
+        # shard with its checksums and the vocabulary's fingerprint
+        self._data_key = manifest_digest(self.token_dir)
         # rows per shard (manifest order): all the epoch plan needs, O(shards)
         self.shard_rows = load_row_counts(self.token_dir, self.manifest, seq_len)
         self.num_rows = int(self.shard_rows.sum())
