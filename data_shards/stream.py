@@ -19,8 +19,8 @@ of 2 accumulated read the rows of one batch of 4, in order. A rank's batches go 
 starting at the resume position.
 
 Integrity: a shard's files are size + sha256 checked (TokenShard's verify) the first time this process opens it,
-before any of its rows are used; opening one also starts checking the next shard of the epoch's order in a
-background thread, so the hashing is off the step's path. A failure raises ShardError naming the file; under the
+before any of its rows are used; making a batch also starts checking the new shards of the next batch this process
+will make in a background thread, so the hashing is mostly off the step's path. A failure raises ShardError naming the file; under the
 loader the failing rank hands the error to the training step as a flagged batch (`DATA_ERROR`), which shares it in
 the step's collective so every rank stops at the same step (`FusionLightningModule`).
 
@@ -191,7 +191,7 @@ class PackedTokenStream(IterableDataset):
         accumulate: int = 1,
     ) -> None:
         """shuffle_window: rows shuffled together after the shard permutation (more mixes more shards per window and
-        holds more shard tables at once); verify_ahead: check the next shard's files in a background thread;
+        holds more shard tables at once); verify_ahead: check the shards of the next batch in a background thread;
         accumulate: micro-batches per optimizer step (the trainer's accumulate_grad_batches): a step then reads the
         rows of one batch of batch_size x accumulate, split in order."""
         super().__init__()
@@ -345,7 +345,7 @@ class PackedTokenStream(IterableDataset):
 
     def rank_shards(self, epoch: int) -> set[int]:
         """The shards this rank may read in `epoch` from its current position: those of the windows its positions
-        fall in (what it opens, plus at most the one checked ahead)."""
+        fall in (what it opens and checks)."""
         shards: set[int] = set()
         for batch in range(self._start_batch if epoch == self.epoch else 0, len(self)):
             shards |= self._window_shards(epoch, self._step_positions(epoch, batch))
@@ -365,15 +365,10 @@ class PackedTokenStream(IterableDataset):
             self._checks[shard] = future
         return self._checks[shard]
 
-    def _table(self, epoch: int, shard: int) -> tuple[TokenShard, ShardRows]:
-        """A shard's open files and rows, verified before first use; checking the next shard of the order starts."""
+    def _table(self, shard: int) -> tuple[TokenShard, ShardRows]:
+        """A shard's open files and rows, its files verified before first use."""
         if shard not in self._tables:
-            check = self._check(shard)
-            order, _ = self.shard_order(epoch)
-            following = int(np.flatnonzero(order == shard)[0]) + 1
-            if self.verify_ahead and following < len(order):
-                self._check(int(order[following]))
-            opened: TokenShard = check.result()  # raises ShardError naming the file; before any row is used
+            opened: TokenShard = self._check(shard).result()  # raises ShardError naming the file; before any row is used
             self._verified.add(shard)
             rows = shard_rows(opened.offsets, self.seq_len)
             if rows.num_rows != int(self.shard_rows[shard]):
@@ -393,9 +388,10 @@ class PackedTokenStream(IterableDataset):
             del self._tables[shard]
             self._checks.pop(shard, None)
 
-    def batch_pieces(self, epoch: int, batch: int) -> list[list[tuple[int, int, int]]]:
+    def batch_pieces(self, epoch: int, batch: int, ahead: int | None = None) -> list[list[tuple[int, int, int]]]:
         """This rank's batch `batch` of `epoch` as pieces: per row, [(shard index, start in the shard's ids, length),
-        ...] in row order ([] for a padding row)."""
+        ...] in row order ([] for a padding row). `ahead`: the batch this process makes next, whose new shards start
+        being checked in the background now (with verify_ahead)."""
         if self._pid != os.getpid():  # a forked worker: its parent's threads and open files are not its own
             self._reset_process_state()
         positions = self.batch_positions(epoch, batch)
@@ -406,8 +402,17 @@ class PackedTokenStream(IterableDataset):
         shards, rows = self.locate(epoch, positions[real])
         # keep the tables of the windows every stream of this rank is in at this step: the next batches read them
         self._release(self._window_shards(epoch, self._step_positions(epoch, batch)) | set(shards.tolist()))
+        for shard in dict.fromkeys(shards.tolist()):
+            if shard not in self._tables:
+                self._check(shard)  # queued first: this batch waits for no check of a later one
+        if self.verify_ahead and ahead is not None and ahead < len(self):
+            upcoming = self.batch_positions(epoch, ahead)
+            if (upcoming >= 0).any():
+                for shard in dict.fromkeys(self.locate(epoch, upcoming[upcoming >= 0])[0].tolist()):
+                    if shard not in self._tables:
+                        self._check(shard)
         for i, shard, row in zip(np.flatnonzero(real).tolist(), shards.tolist(), rows.tolist()):
-            _, table = self._table(epoch, shard)
+            _, table = self._table(shard)
             pieces = table.row_pieces[table.row_ptr[row] : table.row_ptr[row + 1]].tolist()
             out[i] = [(shard, int(table.piece_start[p]), int(table.piece_len[p])) for p in pieces]
         return out
@@ -587,7 +592,7 @@ class PackedTokenStream(IterableDataset):
         # so the batches come out in order j = start, start + 1, ... whatever the worker count.
         for batch in range(start + worker_id, len(self), workers):
             try:
-                out = self.make_batch(self.batch_pieces(epoch, batch))
+                out = self.make_batch(self.batch_pieces(epoch, batch, ahead=batch + workers))
             except ShardError as err:
                 if not self.share_errors:
                     raise
