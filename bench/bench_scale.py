@@ -29,9 +29,11 @@ GOAL_RATIO = 1.5  # issue #33: at 100x, within 1.5x of the 1x value
 RATE_TOLERANCE = 0.05  # issue #33: tokens per second unchanged, +-5%
 
 FULL = {"base_shards": 64, "tokens_per_shard": 50_000, "multipliers": (1, 10, 100), "seq_len": 4_096,
-        "batch_size": 4, "rank": 0, "world_size": 64, "repeats": 3, "rate_batches": 256, "rate_seconds": 10.0}
+        "batch_size": 4, "rank": 0, "world_size": 64, "repeats": 3, "rate_batches": 256, "rate_seconds": 10.0,
+        "big_shards": (32, 10_000_000), "steady_rate_batches": 16_640}  # 16,640 x 4 rows: past one 65,536-row window
 SMOKE = {"base_shards": 4, "tokens_per_shard": 2_000, "multipliers": (1, 2, 4), "seq_len": 512, "batch_size": 2,
-         "rank": 0, "world_size": 4, "repeats": 1, "rate_batches": 4, "rate_seconds": 2.0}
+         "rank": 0, "world_size": 4, "repeats": 1, "rate_batches": 4, "rate_seconds": 2.0, "big_shards": (2, 8_000),
+         "steady_rate_batches": 8}
 
 # Runs in a fresh interpreter inside the tree under test (PYTHONPATH = that tree): only the stream's public API.
 MEASURE = r"""
@@ -96,6 +98,31 @@ print(json.dumps({
     "real_tokens_per_cpu_s": real / max(rate_cpu_s, 1e-9),
     "padding_fraction": 1 - real / max(count * batch_size * seq_len, 1),
 }))
+"""
+
+# The O(shards) part a rank may still pay (issue #33: "beyond reading the manifest"): read_manifest alone, fresh process.
+MEASURE_MANIFEST = r"""
+import gc, json, sys, time
+
+def status_kib(field):
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+from data_shards.token_shards import read_manifest
+gc.collect()
+try:
+    with open("/proc/self/clear_refs", "w") as handle:
+        handle.write("5")
+    baseline = status_kib("VmRSS")
+except OSError:
+    baseline = status_kib("VmHWM")
+wall, cpu = time.perf_counter(), time.process_time()
+manifest = read_manifest(sys.argv[1])
+print(json.dumps({"manifest_s": time.perf_counter() - wall, "manifest_cpu_s": time.process_time() - cpu,
+                  "manifest_peak_rss_increase_bytes": 1024 * (status_kib("VmHWM") - baseline)}))
 """
 
 
@@ -219,21 +246,40 @@ def write_plan(tree: Path, token_dir: Path, seq_len: int, timeout: float = 1800.
 
 
 def measure(tree: Path, token_dir: Path, settings: dict, timeout: float = 900.0) -> dict:
-    """One fresh process in `tree`: rank `rank` of `world_size` builds the stream over `token_dir`; its figures."""
+    """Fresh processes in `tree`: rank `rank` of `world_size` builds the stream over `token_dir` (its figures), and
+    `read_manifest` alone (what the stream pays beyond it: `*_beyond_manifest_*`)."""
     args = [str(token_dir), *(str(settings[k]) for k in ("seq_len", "batch_size", "rank", "world_size",
                                                            "rate_batches", "rate_seconds"))]
     result = subprocess.run([sys.executable, "-c", MEASURE, *args], cwd=tree, env=_env(tree), capture_output=True,
                             text=True, timeout=timeout)
     if result.returncode != 0:
         raise RuntimeError(f"measuring {token_dir} in {tree} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    figures = json.loads(result.stdout.strip().splitlines()[-1])
+    manifest = subprocess.run([sys.executable, "-c", MEASURE_MANIFEST, str(token_dir)], cwd=tree, env=_env(tree),
+                              capture_output=True, text=True, timeout=timeout)
+    if manifest.returncode != 0:
+        raise RuntimeError(f"reading the manifest of {token_dir} in {tree} failed:\n{manifest.stderr[-3000:]}")
+    figures.update(json.loads(manifest.stdout.strip().splitlines()[-1]))
+    # what the rank pays beyond reading the manifest (which the stream reads too)
+    figures["first_batch_beyond_manifest_s"] = figures["first_batch_s"] - figures["manifest_s"]
+    figures["first_batch_cpu_beyond_manifest_s"] = figures["first_batch_cpu_s"] - figures["manifest_cpu_s"]
+    figures["peak_rss_beyond_manifest_bytes"] = (figures["peak_rss_increase_bytes"]
+                                                 - figures["manifest_peak_rss_increase_bytes"])
+    return figures
 
 
 # ---------------------------------------------------------------- the probe
 
 
 # ratio rows: figure name -> measured key (wall time, CPU time: other jobs on a shared machine inflate it far less)
-RATIOS = {"first_batch": "first_batch_s", "first_batch_cpu": "first_batch_cpu_s", "peak_rss": "peak_rss_increase_bytes"}
+RATIOS = {"first_batch": "first_batch_s", "first_batch_cpu": "first_batch_cpu_s", "peak_rss": "peak_rss_increase_bytes",
+          "first_batch_beyond_manifest": "first_batch_beyond_manifest_s",
+          "first_batch_cpu_beyond_manifest": "first_batch_cpu_beyond_manifest_s",
+          "peak_rss_beyond_manifest": "peak_rss_beyond_manifest_bytes"}
+MEDIAN_KEYS = ("first_batch_s", "first_batch_cpu_s", "constructed_s", "peak_rss_increase_bytes",
+               "peak_rss_increase_after_rate_bytes", "stream_tokens_per_s", "stream_tokens_per_cpu_s", "real_tokens_per_s",
+               "real_tokens_per_cpu_s", "padding_fraction", "manifest_s", "manifest_cpu_s",
+               "manifest_peak_rss_increase_bytes", *RATIOS.values())
 
 
 def _ratios(per_size: dict[int, dict], key: str) -> dict[str, float]:
@@ -248,21 +294,39 @@ def extrapolate(per_size: dict[int, dict], tokens: dict[int, int], key: str, tar
     return per_size[large][key] + slope * (target - tokens[large])
 
 
+def _medians(runs: list[dict]) -> dict:
+    return {k: statistics.median(r[k] for r in runs) for k in dict.fromkeys(MEDIAN_KEYS)} | {
+        "batches_per_epoch": runs[0]["batches_per_epoch"]}
+
+
 def probe(trees: dict[str, str], settings: dict, data_root: Path, log: bool = True) -> dict:
     """Measure every tree (label -> revision, or WORKTREE) at every size, sizes and trees alternating, `repeats`
-    fresh processes each; returns the payload ({figures, config, measurements, ...}) for bench/results/scale.json."""
+    fresh processes each; returns the payload ({figures, config, measurements, ...}) for bench/results/scale.json.
+
+    With settings["big_shards"] = (n, tokens), also the largest size's tokens again in n big shards (one row each).
+    """
     started = time.perf_counter()
     dirs = build_datasets(data_root, settings["base_shards"], settings["tokens_per_shard"], settings["multipliers"],
                           log=log)
+    big = settings.get("big_shards")
+    big_dir = build_datasets(data_root, big[0], big[1], (1,), log=log)[1] if big else None
     build_s = time.perf_counter() - started
     from data_shards.token_shards import read_manifest
 
-    sizes = {}
-    for multiplier, directory in sorted(dirs.items()):
+    def describe(directory: Path) -> dict:
         manifest = read_manifest(directory)
-        sizes[multiplier] = {"shards": len(manifest["shards"]), "tokens": manifest["tokens"],
-                             "documents": manifest["documents"], "id_bytes": 2 * manifest["tokens"]}
+        return {"shards": len(manifest["shards"]), "tokens": manifest["tokens"], "documents": manifest["documents"],
+                "id_bytes": 2 * manifest["tokens"]}
+
+    sizes = {multiplier: describe(directory) for multiplier, directory in sorted(dirs.items())}
     tokens = {m: s["tokens"] for m, s in sizes.items()}
+    # key -> (token dir, settings): the sizes; the big shards as rank 0 of world_size (start-up) and as the only rank
+    # (the loader's steady rate when a rank's share of the epoch spans many shuffle windows, as at 9 TB, not a part of one)
+    targets: dict[str, tuple[Path, dict]] = {str(m): (d, settings) for m, d in sorted(dirs.items())}
+    if big_dir is not None:
+        targets["big_shards"] = (big_dir, settings)
+        targets["big_shards_world1"] = (big_dir, {**settings, "rank": 0, "world_size": 1, "rate_seconds": 900.0,
+                                                  "rate_batches": settings.get("steady_rate_batches", 1_000)})
     revisions: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="bench-scale-trees-") as scratch:
         paths = {}
@@ -275,55 +339,65 @@ def probe(trees: dict[str, str], settings: dict, data_root: Path, log: bool = Tr
                 commit, subject = resolve_revision(revision)
                 revisions[label] = {"revision": revision, "commit": commit, "subject": subject}
             revisions[label]["plan_command"] = has_plan_command(paths[label])
-        plans: dict[str, dict[int, float]] = {label: {} for label in trees}
+        plans: dict[str, dict[str, float]] = {label: {} for label in trees}
         for label, path in paths.items():
             if revisions[label]["plan_command"]:
-                for multiplier, directory in sorted(dirs.items()):
-                    plans[label][multiplier] = write_plan(path, directory, settings["seq_len"])
+                for key, (directory, _) in targets.items():
+                    if key == "big_shards_world1":
+                        continue  # the same data and seq_len as big_shards
+                    plans[label][key] = write_plan(path, directory, settings["seq_len"])
                     if log:
-                        print(f"bench scale: {label} shards plan x{multiplier}: {plans[label][multiplier]:.1f} s",
-                              file=sys.stderr, flush=True)
-        runs: dict[str, dict[int, list[dict]]] = {label: {m: [] for m in dirs} for label in trees}
+                        print(f"bench scale: {label} shards plan {key}: {plans[label][key]:.1f} s", file=sys.stderr,
+                              flush=True)
+        runs: dict[str, dict[str, list[dict]]] = {label: {key: [] for key in targets} for label in trees}
         for round_ in range(settings["repeats"]):
             order = list(trees) if round_ % 2 == 0 else list(reversed(trees))
-            for multiplier, directory in sorted(dirs.items()):
+            for key, (directory, measured_with) in targets.items():
                 for label in order:
-                    result = measure(paths[label], directory, settings)
-                    runs[label][multiplier].append(result)
+                    result = measure(paths[label], directory, measured_with)
+                    runs[label][key].append(result)
                     if log:
-                        print(f"bench scale: round {round_ + 1}/{settings['repeats']} {label} x{multiplier}: "
-                              f"first batch {result['first_batch_s']:.3f} s, "
+                        print(f"bench scale: round {round_ + 1}/{settings['repeats']} {label} {key}: "
+                              f"first batch {result['first_batch_s']:.3f} s (manifest {result['manifest_s']:.3f} s), "
                               f"+{result['peak_rss_increase_bytes'] / 1e6:.1f} MB peak, "
-                              f"{result['stream_tokens_per_s'] / 1e6:.2f} Mtok/s", file=sys.stderr, flush=True)
-    keys = ("first_batch_s", "first_batch_cpu_s", "constructed_s", "peak_rss_increase_bytes",
-            "peak_rss_increase_after_rate_bytes", "stream_tokens_per_s", "stream_tokens_per_cpu_s",
-            "real_tokens_per_s", "real_tokens_per_cpu_s", "padding_fraction")
-    medians = {label: {m: {k: statistics.median(r[k] for r in rs) for k in keys} | {
-        "batches_per_epoch": rs[0]["batches_per_epoch"]} for m, rs in per.items()} for label, per in runs.items()}
+                              f"{result['stream_tokens_per_cpu_s'] / 1e6:.2f} Mtok/CPU s", file=sys.stderr, flush=True)
+    medians = {label: {key: _medians(rs) for key, rs in per.items()} for label, per in runs.items()}
+    per_size = {label: {int(k): v for k, v in per.items() if k.isdigit()} for label, per in medians.items()}
     largest = max(dirs)
     figures: dict = {}
     summary: dict = {}
-    for label, per_size in medians.items():
-        ratios = {name: _ratios(per_size, key) for name, key in RATIOS.items()}
+    for label, measured in per_size.items():
+        ratios = {name: _ratios(measured, key) for name, key in RATIOS.items()}
         figures[label] = {
             **{f"{name}_{k}": v for name, per in ratios.items() for k, v in per.items()},
-            f"first_batch_s_at_{largest}x": {"value": per_size[largest]["first_batch_s"], "unit": "s"},
-            f"peak_rss_increase_at_{largest}x": {"value": per_size[largest]["peak_rss_increase_bytes"], "unit": "B"},
-            f"stream_tokens_per_s_at_{largest}x": {"value": per_size[largest]["stream_tokens_per_s"], "unit": "tok/s"},
-            f"stream_tokens_per_cpu_s_at_{largest}x": {"value": per_size[largest]["stream_tokens_per_cpu_s"],
+            f"first_batch_s_at_{largest}x": {"value": measured[largest]["first_batch_s"], "unit": "s"},
+            f"peak_rss_increase_at_{largest}x": {"value": measured[largest]["peak_rss_increase_bytes"], "unit": "B"},
+            f"stream_tokens_per_s_at_{largest}x": {"value": measured[largest]["stream_tokens_per_s"], "unit": "tok/s"},
+            f"stream_tokens_per_cpu_s_at_{largest}x": {"value": measured[largest]["stream_tokens_per_cpu_s"],
                                                       "unit": "tok/s"},
         }
+        if big_dir is not None:
+            for key in ("big_shards", "big_shards_world1"):
+                figures[label][f"stream_tokens_per_cpu_s_{key}"] = {
+                    "value": medians[label][key]["stream_tokens_per_cpu_s"], "unit": "tok/s"}
         summary[label] = {"ratios": ratios, "at_9tb_linear": {
-            key: extrapolate(per_size, tokens, key) for key in ("first_batch_s", "first_batch_cpu_s",
+            key: extrapolate(measured, tokens, key) for key in ("first_batch_s", "first_batch_cpu_s",
                                                                 "peak_rss_increase_bytes")}}
     labels = list(trees)
     if len(labels) == 2:
         before, after = labels
         for key in ("stream_tokens_per_s", "stream_tokens_per_cpu_s", "real_tokens_per_cpu_s"):
-            figures[f"{after}_over_{before}_{key}"] = medians[after][largest][key] / medians[before][largest][key]
+            figures[f"{after}_over_{before}_{key}"] = (per_size[after][largest][key]
+                                                       / per_size[before][largest][key])
+        if big_dir is not None:
+            for target in ("big_shards", "big_shards_world1"):
+                for key in ("stream_tokens_per_cpu_s", "real_tokens_per_cpu_s"):
+                    figures[f"{after}_over_{before}_{key}_{target}"] = (medians[after][target][key]
+                                                                        / medians[before][target][key])
     config = {
         **{k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.items()},
         "trees": revisions, "sizes": {str(m): s for m, s in sizes.items()}, "doc_tokens": list(DOC_TOKENS),
+        "big_shards_size": describe(big_dir) if big_dir is not None else None,
         "vocab_size": VOCAB_SIZE, "data_root": str(data_root), "dataset_build_or_check_s": round(build_s, 1),
         "measured": "each size in its own fresh process per tree, sizes and trees alternating, medians of repeats; "
                     "first batch = wall time from PackedTokenStream(...) to next(iter(make_dataloader(stream))) "
@@ -375,6 +449,13 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 60:,.1f} min" if seconds >= 120 else f"{seconds:.2f} s"
 
 
+def _per_thousand_shards(measurements: dict, sizes: dict[int, dict], key: str) -> float:
+    """The cost of `key` per 1,000 shards between the two largest sizes (the manifest's O(shards) term)."""
+    small, large = sorted(sizes)[-2:]
+    return 1000 * (measurements[str(large)][key] - measurements[str(small)][key]) / (
+        sizes[large]["shards"] - sizes[small]["shards"])
+
+
 def section(body: dict) -> list[str]:
     """Markdown lines for BENCHMARKS.md: per-size figures, ratios against the goal, and the 9 TB extrapolation."""
     config, measurements = body.get("config", {}), body.get("measurements", {})
@@ -382,42 +463,62 @@ def section(body: dict) -> list[str]:
         return []
     labels = list(measurements)
     sizes = {int(m): s for m, s in config.get("sizes", {}).items()}
+    big = config.get("big_shards_size")
     load = body.get("machine", {}).get("load_avg_1m")
     out = [
         f"One rank (rank {config.get('rank')}) of a {config.get('world_size')}-rank job over synthetic token shards "
         f"written with `write_token_shard` / `write_manifest` (documents of {DOC_TOKENS[0]}–{DOC_TOKENS[1]:,} random "
         f"uint16 ids; {config.get('base_shards')} shards × {config.get('tokens_per_shard', 0):,} tokens at 1×), "
         f"seq_len {config.get('seq_len')}, batch {config.get('batch_size')}. Each size runs in its own fresh process "
-        f"per tree, {config.get('repeats')} times, sizes and trees alternating (medians). First batch: wall seconds "
-        "from `PackedTokenStream(...)` to `next(iter(make_dataloader(stream)))`. Peak RSS: the VmHWM increase over the "
-        "RSS after imports. Tokens/s is the loader's own rate (B × T slots per batch), not training's. The files are "
-        "warm in the page cache, so the before's hashing runs at memory speed. "
+        f"per tree, {config.get('repeats')} times, sizes and trees alternating (medians). First batch: wall (and CPU) "
+        "seconds from `PackedTokenStream(...)` to `next(iter(make_dataloader(stream)))`, 0 workers. Peak RSS: the "
+        "VmHWM increase over the RSS after imports. Manifest: `read_manifest` alone in another fresh process, the "
+        "O(shards) part the issue allows (\"beyond reading the manifest\"). Tokens/s: the loader's own rate over "
+        f"{config.get('rate_batches')} batches after the first (B × T slots per batch; epochs run through), not "
+        "training's. The files are warm in the page cache, so hashing runs at memory speed. "
         f"Measured {body.get('measured_at', '?')}" + (f", load {load:g} on {body.get('machine', {}).get('cpu_count')}"
                                                       " cores" if load is not None else "")
         + (" (smoke)" if body.get("smoke") else "") + ". `python -m bench.bench_scale --before REV --after REV` "
         "measures any two revisions side by side.",
         "",
     ]
+    if big:
+        out += [f"Big shards: the largest size's tokens again in {big['shards']} shards of ~{big['tokens'] // big['shards']:,} "
+                f"tokens, read as rank 0 of {config.get('world_size')} and as the only rank. A shard-granular stream packs "
+                "a whole shard when the rank first reads it; with a rank's share of the epoch smaller than one shuffle "
+                "window (as here with 64 ranks) the rank reads a few rows of every shard of the window, while at 9 TB a "
+                "rank's share spans many windows and it packs only its own shards: the only-rank row, whose rate is "
+                f"taken over {config.get('steady_rate_batches', 0):,} batches (past one 65,536-row shuffle window, so "
+                "every table built is used up), is closer to that steady state.", ""]
     for label in labels:
         tree = config.get("trees", {}).get(label, {})
         plan = body.get("plan_s", {}).get(label, {})
         note = "; `shards plan` run first (outside the timing), " + ", ".join(
-            f"{m}×: {_duration(s)}" for m, s in plan.items()) if plan else "; no `shards plan` in this tree"
+            f"{m}{'×' if m.isdigit() else ''}: {_duration(s)}" for m, s in plan.items()) if plan else (
+            "; no `shards plan` in this tree")
         subject = tree.get("subject", "")
         subject = subject if len(subject) <= 90 else subject[:89] + "…"
         out.append(f"- **{label}**: {tree.get('commit', '?')[:12]} {subject}".rstrip() + note)
-    out += ["", "| Tree | Size | Shards | Tokens | First batch | CPU s | Peak RSS + | Stream tok/s | per CPU s | Padding |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    out += ["", "| Tree | Data | Shards | Tokens | First batch | CPU s | Manifest s | Peak RSS + | Manifest RSS + | "
+            "Peak RSS + after reading | Stream tok/s | tok/CPU s | Padding |", "|---" * 13 + "|"]
     for label in labels:
-        for multiplier, m in sorted(((int(k), v) for k, v in measurements[label].items())):
-            size = sizes.get(multiplier, {})
-            out.append(f"| {label} | {multiplier}× | {size.get('shards', 0):,} | {size.get('tokens', 0):,} | "
-                       f"{m['first_batch_s']:.3f} s | {m['first_batch_cpu_s']:.3f} | "
-                       f"{_mb(m['peak_rss_increase_bytes'])} | {m['stream_tokens_per_s'] / 1e6:.2f} M | "
-                       f"{m.get('stream_tokens_per_cpu_s', float('nan')) / 1e6:.2f} M | "
-                       f"{100 * m['padding_fraction']:.1f}% |")
+        for key, m in measurements[label].items():
+            if key.startswith("big_shards"):
+                size, name = big or {}, f"{max(sizes)}× tokens in big shards" if sizes else "big shards"
+                name += ", the only rank" if key.endswith("world1") else ""
+            else:
+                size, name = sizes.get(int(key), {}), f"{key}×"
+            out.append(
+                f"| {label} | {name} | {size.get('shards', 0):,} | {size.get('tokens', 0):,} | "
+                f"{m['first_batch_s']:.3f} s | {m['first_batch_cpu_s']:.3f} | {m.get('manifest_s', float('nan')):.3f} | "
+                f"{_mb(m['peak_rss_increase_bytes'])} | {_mb(m.get('manifest_peak_rss_increase_bytes', float('nan')))} | "
+                f"{_mb(m['peak_rss_increase_after_rate_bytes'])} | {m['stream_tokens_per_s'] / 1e6:.2f} M | "
+                f"{m.get('stream_tokens_per_cpu_s', float('nan')) / 1e6:.2f} M | {100 * m['padding_fraction']:.1f}% |")
     summary = body.get("summary", {})
-    names = {"first_batch": "first batch (wall)", "first_batch_cpu": "first batch (CPU)", "peak_rss": "peak RSS"}
+    names = {"first_batch": "first batch (wall)", "first_batch_cpu": "first batch (CPU)", "peak_rss": "peak RSS",
+             "first_batch_beyond_manifest": "first batch beyond the manifest (wall)",
+             "first_batch_cpu_beyond_manifest": "first batch beyond the manifest (CPU)",
+             "peak_rss_beyond_manifest": "peak RSS beyond the manifest"}
     out += ["", "| Ratio | " + " | ".join(labels) + " | Goal |", "|---|" + "---|" * (len(labels) + 1)]
     for kind, name in names.items():
         keys = list(summary.get(labels[0], {}).get("ratios", {}).get(kind, {}))
@@ -425,13 +526,19 @@ def section(body: dict) -> list[str]:
             goal = f"≤ {GOAL_RATIO}" if key == keys[-1] else ""
             cells = " | ".join(f"{summary[label]['ratios'][kind][key]:.2f}×" for label in labels)
             out.append(f"| {name} {key.replace('_over_', ' / ')} | {cells} | {goal} |")
-    for key, name in (("stream_tokens_per_s", "stream tok/s (wall)"), ("stream_tokens_per_cpu_s", "stream tok/CPU s"),
-                      ("real_tokens_per_cpu_s", "non-padding tok/CPU s")):
+    rates = (("stream_tokens_per_s", "stream tok/s (wall)"), ("stream_tokens_per_cpu_s", "stream tok/CPU s"),
+             ("real_tokens_per_cpu_s", "non-padding tok/CPU s"),
+             ("stream_tokens_per_cpu_s_big_shards", "stream tok/CPU s, big shards"),
+             ("real_tokens_per_cpu_s_big_shards", "non-padding tok/CPU s, big shards"),
+             ("stream_tokens_per_cpu_s_big_shards_world1", "stream tok/CPU s, big shards, the only rank"),
+             ("real_tokens_per_cpu_s_big_shards_world1", "non-padding tok/CPU s, big shards, the only rank"))
+    for key, name in rates:
         rate = body.get("figures", {}).get(f"{labels[-1]}_over_{labels[0]}_{key}") if len(labels) > 1 else None
         if rate is not None:
-            out.append(f"| {name}, {labels[-1]} / {labels[0]} at the largest size | {rate:.3f} |"
+            where = "" if "big_shards" in key else " at the largest size"
+            out.append(f"| {name}, {labels[-1]} / {labels[0]}{where} | {rate:.3f} |"
                        + " |" * (len(labels) - 1) + f" {1 - RATE_TOLERANCE:.2f}–{1 + RATE_TOLERANCE:.2f} |")
-    if not body.get("smoke") and labels:
+    if not body.get("smoke") and labels and len(sizes) >= 2:
         tokens = CHAMELEON_TOKENS
         per_shard = config.get("tokens_per_shard", 0)
         out += ["", f"On paper at 9 TB ({tokens / 1e12:.1f}T tokens, uint16), one rank, every start and resume: the "
@@ -439,19 +546,30 @@ def section(body: dict) -> list[str]:
                 f"per-token cost, shards kept at this probe's ~{per_shard:,} tokens, i.e. {tokens / max(per_shard, 1):,.0f} "
                 "shards; much of the per-token cost here is per shard (open, meta, three hashes), so bigger shards",
                 "would pay less per token, and hashing from disk instead of the page cache would pay more)"
-                + (f"; the {', '.join(labels[1:])} as measured at the largest size:" if len(labels) > 1 else
+                + (f"; the {', '.join(labels[1:])} as measured at the largest size, plus the manifest's O(shards) "
+                   "read, linear in shards:" if len(labels) > 1 else
                    "; the after is pending (no shard-granular stream in HEAD yet)."), "",
                 "| Tree | First batch at 9 TB (wall) | (CPU) | Peak RSS + at 9 TB | How |", "|---|---|---|---|---|"]
-        largest = str(max(int(m) for m in measurements[labels[0]]))
+        largest = str(max(sizes))
         for i, label in enumerate(labels):
             if i == 0:
                 at = summary[label]["at_9tb_linear"]
                 out.append(f"| {label} | {_duration(at['first_batch_s'])} | {_duration(at['first_batch_cpu_s'])} | "
                            f"{_mb(at['peak_rss_increase_bytes'])} | linear in tokens |")
-            else:
-                m = measurements[label][largest]
-                out.append(f"| {label} | {_duration(m['first_batch_s'])} | {_duration(m['first_batch_cpu_s'])} | "
-                           f"{_mb(m['peak_rss_increase_bytes'])} | as measured at {largest}× |")
+                continue
+            m = measurements[label][largest]
+            out.append(f"| {label} | {_duration(m['first_batch_s'])} | {_duration(m['first_batch_cpu_s'])} | "
+                       f"{_mb(m['peak_rss_increase_bytes'])} | as measured at {largest}× |")
+            if "manifest_s" in m:
+                wall, cpu, rss = (_per_thousand_shards(measurements[label], sizes, k)
+                                  for k in ("manifest_s", "manifest_cpu_s", "manifest_peak_rss_increase_bytes"))
+                for shards, what in ((44_000, "44,000 shards of 100M tokens (200 MB)"),
+                                     (tokens / max(per_shard, 1), f"shards of this probe's {per_shard:,} tokens")):
+                    grow = shards - sizes[int(largest)]["shards"]
+                    out.append(f"| {label}, manifest linear in shards | {_duration(m['first_batch_s'] + wall * grow / 1000)} "
+                               f"| {_duration(m['first_batch_cpu_s'] + cpu * grow / 1000)} | "
+                               f"{_mb(m['peak_rss_increase_bytes'] + rss * grow / 1000)} | {what}: the manifest read "
+                               f"costs {1000 * wall:.1f} ms, {1000 * cpu:.1f} ms CPU and {_mb(rss)} per 1,000 shards |")
     return out
 
 

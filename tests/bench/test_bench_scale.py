@@ -11,7 +11,7 @@ import pytest
 from bench import bench_scale, run
 from bench.harness import write_result
 
-SETTINGS = {**bench_scale.SMOKE, "multipliers": (1, 3)}
+SETTINGS = {**bench_scale.SMOKE, "multipliers": (1, 3), "big_shards": None}
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +55,8 @@ def test_a_fresh_process_measures_one_rank_of_the_job(datasets):
     assert 0 <= figures["padding_fraction"] < 1
     assert figures["stream_tokens_per_s"] == pytest.approx(
         8 * settings["batch_size"] * settings["seq_len"] / figures["rate_s"])
+    assert figures["manifest_s"] > 0 and figures["manifest_peak_rss_increase_bytes"] >= 0
+    assert figures["first_batch_beyond_manifest_s"] == pytest.approx(figures["first_batch_s"] - figures["manifest_s"])
 
 
 def test_a_revision_is_extracted_from_git(tmp_path):
@@ -82,11 +84,18 @@ def _fake_measurements(monkeypatch, calls):
         calls.append(("measure", Path(tree).name, Path(token_dir).name))
         shards = len(read_manifest(token_dir)["shards"])
         grows = Path(tree).name.startswith("before")
-        return {"first_batch_s": 0.1 * shards if grows else 0.2, "first_batch_cpu_s": 0.1,
-                "constructed_s": 0.05, "peak_rss_increase_bytes": 1e6 * (shards if grows else 3),
-                "peak_rss_increase_after_rate_bytes": 4e6, "stream_tokens_per_s": 1e6 if grows else 1.02e6,
-                "stream_tokens_per_cpu_s": 2e6, "real_tokens_per_cpu_s": 1.8e6 if grows else 1.71e6,
-                "real_tokens_per_s": 9e5, "padding_fraction": 0.1, "batches_per_epoch": 5}
+        figures = {"first_batch_s": 0.1 * shards if grows else 0.2, "first_batch_cpu_s": 0.1,
+                   "constructed_s": 0.05, "peak_rss_increase_bytes": 1e6 * (shards if grows else 3),
+                   "peak_rss_increase_after_rate_bytes": 4e6, "stream_tokens_per_s": 1e6 if grows else 1.02e6,
+                   "stream_tokens_per_cpu_s": 2e6, "real_tokens_per_cpu_s": 1.8e6 if grows else 1.71e6,
+                   "real_tokens_per_s": 9e5, "padding_fraction": 0.1, "batches_per_epoch": 5,
+                   "manifest_s": 0.01 * shards, "manifest_cpu_s": 0.01 * shards,
+                   "manifest_peak_rss_increase_bytes": 1e5 * shards}
+        figures["first_batch_beyond_manifest_s"] = figures["first_batch_s"] - figures["manifest_s"]
+        figures["first_batch_cpu_beyond_manifest_s"] = figures["first_batch_cpu_s"] - figures["manifest_cpu_s"]
+        figures["peak_rss_beyond_manifest_bytes"] = (figures["peak_rss_increase_bytes"]
+                                                     - figures["manifest_peak_rss_increase_bytes"])
+        return figures
 
     def fake_materialize(revision, into):
         path = Path(into) / revision
@@ -131,12 +140,17 @@ def test_probe_alternates_trees_writes_plans_first_and_reports_ratios(tmp_path, 
 
 def test_the_section_shows_both_trees_the_goal_and_9_tb(tmp_path, monkeypatch, datasets):
     _fake_measurements(monkeypatch, [])
-    settings = {**SETTINGS, "base_shards": 2, "tokens_per_shard": 1_500, "repeats": 1}
+    settings = {**SETTINGS, "base_shards": 2, "tokens_per_shard": 1_500, "repeats": 1, "big_shards": (1, 4_000)}
     payload = bench_scale.probe({"before": "before", "after": "after"}, settings, datasets[3].parent, log=False)
     write_result("scale", {**payload, "smoke": False}, tmp_path)
     text = run.render_markdown(tmp_path)
     section = text.split("## Data at scale")[1].split("\n## ")[0]
     assert "| before | 3× | 6 |" in section and "| after | 1× | 2 |" in section
+    assert "| after | 3× tokens in big shards | 1 |" in section
+    assert "| stream tok/CPU s, big shards, after / before | 1.000 |" in section
+    assert "| after | 3× tokens in big shards, the only rank | 1 |" in section
+    assert "| stream tok/CPU s, big shards, the only rank, after / before | 1.000 |" in section
+    assert "| first batch beyond the manifest (wall) 3x / 1x | 3.00× | 0.78× | ≤ 1.5 |" in section
     assert "| first batch (wall) 3x / 1x | 3.00× | 1.00× | ≤ 1.5 |" in section
     assert "| first batch (CPU) 3x / 1x | 1.00× | 1.00× | ≤ 1.5 |" in section
     assert "| peak RSS 3x / 1x | 3.00× | 1.00× | ≤ 1.5 |" in section
@@ -145,6 +159,9 @@ def test_the_section_shows_both_trees_the_goal_and_9_tb(tmp_path, monkeypatch, d
     assert "| non-padding tok/CPU s, after / before at the largest size | 0.950 |" in section
     assert "| before |" in section.split("On paper at 9 TB")[1] and "linear in tokens" in section
     assert "| after | 0.20 s | 0.10 s | 3.0 MB | as measured at 3× |" in section
+    # the manifest's cost per 1,000 shards: 0.01 s and 0.1 MB a shard -> 10 s and 100 MB per 1,000
+    assert "the manifest read costs 10000.0 ms, 10000.0 ms CPU and 100.0 MB per 1,000 shards |" in section
+    assert "| after, manifest linear in shards | 7.3 min |" in section  # 0.2 s + 10 ms x (44,000 - 6) shards
     assert "`shards plan` run first" in section and "no `shards plan` in this tree" in section
     # its headline figures are in the main table too
     assert "| scale | before.first_batch_3x_over_1x | 3 |" in text
