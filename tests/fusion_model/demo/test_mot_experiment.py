@@ -19,6 +19,15 @@ DEMO_SETTINGS = ["tokenizer.max_steps=4", "data.train_limit=200", "data.held_out
                  "data.arithmetic_documents=20", "vocab.english_lines=200", "generate.images_per_caption=1"]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """One torch thread for this module's runs: on a shared 2-core machine two threads wait on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def finished_demo(tmp_path_factory):
     """A demo folder with what the experiment reuses, and the settings it was made with."""
@@ -120,7 +129,7 @@ def test_the_command_needs_a_finished_demo_made_with_the_named_settings(finished
     from fusion_model.demo.commands import main
 
     _, out = finished_demo
-    threads = torch.get_num_threads()  # the command sets the process's thread count
+    threads = torch.get_num_threads()  # the command sets the process's thread count: restored below
     assert main(["experiment", "mot", "--smoke", "--demo-dir", str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert "python train.py demo --preset smoke" in capsys.readouterr().err
     # the folder holds a demo made with other settings (fewer held-out digits): its held-out split is not smoke's
@@ -128,3 +137,14 @@ def test_the_command_needs_a_finished_demo_made_with_the_named_settings(finished
     assert "held-out digits" in capsys.readouterr().err
     assert main(["experiment", "nothing"]) == 2 and "mot" in capsys.readouterr().err
     torch.set_num_threads(threads)
+
+
+def test_a_rerun_with_reuse_keeps_every_finished_run(smoke, finished_demo):
+    settings, record = smoke
+    demo, _ = finished_demo
+    messages: list[str] = []
+    again = experiment.run(replace(settings, reuse=True), log=messages.append, demo=demo)
+    assert sum("reusing the finished run" in m for m in messages) == len(record["runs"])
+    assert again["steps_to_match"] == record["steps_to_match"]
+    assert {k: r["final_held_out"] for k, r in again["runs"].items()} == \
+        {k: r["final_held_out"] for k, r in record["runs"].items()}
