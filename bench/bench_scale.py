@@ -72,6 +72,11 @@ batches = iter(loader)
 first = next(batches)
 first_batch_s, first_batch_cpu_s = time.perf_counter() - wall, time.process_time() - cpu
 peak_first = status_kib("VmHWM") - baseline
+# the manifest read the stream did too, again in this process (same files, same page cache), for "beyond the manifest"
+from data_shards.token_shards import read_manifest
+manifest_wall, manifest_cpu = time.perf_counter(), time.process_time()
+read_manifest(token_dir)
+manifest_s, manifest_cpu_s = time.perf_counter() - manifest_wall, time.process_time() - manifest_cpu
 # the loader's steady rate: whole batches of B x T slots, epochs run through as needed
 count, real, start, start_cpu, epoch_batches = 0, 0, time.perf_counter(), time.process_time(), len(stream)
 while count < rate_batches and (count == 0 or time.perf_counter() - start < rate_seconds):
@@ -90,6 +95,7 @@ print(json.dumps({
     "peak_rss_increase_after_rate_bytes": 1024 * (status_kib("VmHWM") - baseline),
     "ru_maxrss_bytes": 1024 * resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
     "peak_method": peak_method, "batches_per_epoch": epoch_batches,
+    "manifest_s": manifest_s, "manifest_cpu_s": manifest_cpu_s,
     "first_batch_shape": list(first["input_ids"].shape),
     "rate_batches": count, "rate_s": rate_s,
     "stream_tokens_per_s": count * batch_size * seq_len / rate_s,
@@ -100,7 +106,8 @@ print(json.dumps({
 }))
 """
 
-# The O(shards) part a rank may still pay (issue #33: "beyond reading the manifest"): read_manifest alone, fresh process.
+# The O(shards) part a rank may still pay (issue #33: "beyond reading the manifest"): read_manifest alone in a fresh
+# process, for its peak RSS (its time is also taken inside MEASURE, after the first batch, paired with the stream's).
 MEASURE_MANIFEST = r"""
 import gc, json, sys, time
 
@@ -121,7 +128,7 @@ except OSError:
     baseline = status_kib("VmHWM")
 wall, cpu = time.perf_counter(), time.process_time()
 manifest = read_manifest(sys.argv[1])
-print(json.dumps({"manifest_s": time.perf_counter() - wall, "manifest_cpu_s": time.process_time() - cpu,
+print(json.dumps({"manifest_fresh_s": time.perf_counter() - wall, "manifest_fresh_cpu_s": time.process_time() - cpu,
                   "manifest_peak_rss_increase_bytes": 1024 * (status_kib("VmHWM") - baseline)}))
 """
 
@@ -204,6 +211,14 @@ def resolve_revision(revision: str) -> tuple[str, str]:
     """(full commit hash, subject line) of a revision of this repository."""
     out = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%H %s", f"{revision}^{{commit}}", "--"],
                          capture_output=True, text=True, check=True).stdout.strip()
+    commit, _, subject = out.partition(" ")
+    return commit, subject
+
+
+def last_data_change(revision: str) -> tuple[str, str]:
+    """(commit, subject) of the last change to data_shards/ at `revision`: what the probe measures of a tree."""
+    out = subprocess.run(["git", "-C", str(REPO), "log", "-1", "--format=%H %s", f"{revision}^{{commit}}", "--",
+                          "data_shards"], capture_output=True, text=True, check=True).stdout.strip()
     commit, _, subject = out.partition(" ")
     return commit, subject
 
@@ -338,6 +353,8 @@ def probe(trees: dict[str, str], settings: dict, data_root: Path, log: bool = Tr
                 paths[label] = materialize(revision, Path(scratch))
                 commit, subject = resolve_revision(revision)
                 revisions[label] = {"revision": revision, "commit": commit, "subject": subject}
+            data_commit, data_subject = last_data_change("HEAD" if revision == WORKTREE else revision)
+            revisions[label].update(data_commit=data_commit, data_subject=data_subject)
             revisions[label]["plan_command"] = has_plan_command(paths[label])
         plans: dict[str, dict[str, float]] = {label: {} for label in trees}
         for label, path in paths.items():
@@ -472,8 +489,9 @@ def section(body: dict) -> list[str]:
         f"seq_len {config.get('seq_len')}, batch {config.get('batch_size')}. Each size runs in its own fresh process "
         f"per tree, {config.get('repeats')} times, sizes and trees alternating (medians). First batch: wall (and CPU) "
         "seconds from `PackedTokenStream(...)` to `next(iter(make_dataloader(stream)))`, 0 workers. Peak RSS: the "
-        "VmHWM increase over the RSS after imports. Manifest: `read_manifest` alone in another fresh process, the "
-        "O(shards) part the issue allows (\"beyond reading the manifest\"). Tokens/s: the loader's own rate over "
+        "VmHWM increase over the RSS after imports. Manifest: `read_manifest` timed again in the same process after the "
+        "first batch, and alone in another fresh process for its peak RSS: the O(shards) part the issue allows "
+        "(\"beyond reading the manifest\"). Tokens/s: the loader's own rate over "
         f"{config.get('rate_batches')} batches after the first (B × T slots per batch; epochs run through), not "
         "training's. The files are warm in the page cache, so hashing runs at memory speed. "
         f"Measured {body.get('measured_at', '?')}" + (f", load {load:g} on {body.get('machine', {}).get('cpu_count')}"
@@ -496,9 +514,12 @@ def section(body: dict) -> list[str]:
         note = "; `shards plan` run first (outside the timing), " + ", ".join(
             f"{m}{'×' if m.isdigit() else ''}: {_duration(s)}" for m, s in plan.items()) if plan else (
             "; no `shards plan` in this tree")
-        subject = tree.get("subject", "")
+        subject = tree.get("data_subject") or tree.get("subject", "")
         subject = subject if len(subject) <= 90 else subject[:89] + "…"
-        out.append(f"- **{label}**: {tree.get('commit', '?')[:12]} {subject}".rstrip() + note)
+        data = tree.get("data_commit")
+        where = (f"{tree.get('commit', '?')[:12]}, data_shards/ as of {data[:12]}" if data and data != tree.get("commit")
+                 else tree.get("commit", "?")[:12])
+        out.append(f"- **{label}**: {where} {subject}".rstrip() + note)
     out += ["", "| Tree | Data | Shards | Tokens | First batch | CPU s | Manifest s | Peak RSS + | Manifest RSS + | "
             "Peak RSS + after reading | Stream tok/s | tok/CPU s | Padding |", "|---" * 13 + "|"]
     for label in labels:

@@ -65,6 +65,8 @@ def test_a_revision_is_extracted_from_git(tmp_path):
                                capture_output=True, text=True, check=True).stdout
     assert (tree / "data_shards" / "stream.py").read_text() == committed
     assert (tree / "train.py").is_file() and not (tree / ".git").exists()
+    data_commit, _ = bench_scale.last_data_change("HEAD")
+    assert subprocess.run(["git", "-C", str(bench_scale.REPO), "merge-base", "--is-ancestor", data_commit, "HEAD"]).returncode == 0
     commit, subject = bench_scale.resolve_revision("HEAD")
     assert tree.name == commit[:12] and len(commit) == 40 and subject
 
@@ -105,6 +107,7 @@ def _fake_measurements(monkeypatch, calls):
     monkeypatch.setattr(bench_scale, "measure", fake_measure)
     monkeypatch.setattr(bench_scale, "materialize", fake_materialize)
     monkeypatch.setattr(bench_scale, "resolve_revision", lambda rev: (f"{rev:0<40}", f"subject of {rev}"))
+    monkeypatch.setattr(bench_scale, "last_data_change", lambda rev: (f"{rev:1<40}", f"data change of {rev}"))
     monkeypatch.setattr(bench_scale, "has_plan_command", lambda tree, timeout=300.0: Path(tree).name == "after")
 
     def fake_plan(tree, token_dir, seq_len, timeout=1800.0):
@@ -163,6 +166,7 @@ def test_the_section_shows_both_trees_the_goal_and_9_tb(tmp_path, monkeypatch, d
     assert "the manifest read costs 10000.0 ms, 10000.0 ms CPU and 100.0 MB per 1,000 shards |" in section
     assert "| after, manifest linear in shards | 7.3 min |" in section  # 0.2 s + 10 ms x (44,000 - 6) shards
     assert "`shards plan` run first" in section and "no `shards plan` in this tree" in section
+    assert "- **after**: after0000000, data_shards/ as of after1111111 data change of after;" in section
     # its headline figures are in the main table too
     assert "| scale | before.first_batch_3x_over_1x | 3 |" in text
 
