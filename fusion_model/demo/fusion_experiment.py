@@ -29,6 +29,7 @@ from fusion_model.demo.stages import digits_for, load_image_tokenizer, load_voca
 from fusion_model.late_fusion import LateFusionConfig, LateFusionModel, late_layout
 from tokenizer.files import atomic_write_json, atomic_write_text
 from tokenizer.layout import image_code_mask
+from tokenizer.vocab import text_mode_mask
 
 # the models compared: early fusion from scratch (as the demo), with its loss on text only (LLaVA's objective: the
 # images are read, never predicted), and from the blind language model the late-fusion recipes start from (the same
@@ -65,14 +66,13 @@ class ExperimentConfig:
 def greedy_captions(next_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], prompts: torch.Tensor,
                     prompt_features: torch.Tensor, vocab, *, max_new_tokens: int = 16,
                     batch_size: int = 100) -> list[str]:
-    """Greedy text after each prompt (N, L) (early layout, features (N, L, C)); stops at </s> or <boi>.
+    """Greedy text after each prompt (N, L) (early layout, features (N, L, C)); stops at </s>.
 
-    `next_logits(ids, features)` returns the logits of the next token (B, vocab) for equal-length rows. Image codes
-    and the <image> placeholder are never chosen: the continuation is text.
+    `next_logits(ids, features)` returns the logits of the next token (B, vocab) for equal-length rows. Only the ids
+    text mode may emit are chosen (`tokenizer.vocab.text_mode_mask`, the sampler's rule: no image code, no <image>
+    placeholder, no <boi>/<eoi>), so these are the sampler's greedy captions.
     """
-    banned = torch.zeros(vocab.vocab_size, dtype=torch.bool)
-    banned[vocab.image_offset : vocab.image_offset + vocab.image_codes] = True
-    banned[vocab.image_placeholder_id] = True
+    banned = ~text_mode_mask(vocab)
     stops = torch.tensor([vocab.eos_id, vocab.boi_id])
     texts: list[str] = []
     for begin in range(0, len(prompts), batch_size):

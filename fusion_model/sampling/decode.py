@@ -170,6 +170,9 @@ def _decode(
     return forwards
 
 
+RECOMPILE_LIMIT = 64  # compiled decode steps one process may hold (models x shapes x settings)
+
+
 def compiled_step(step: PlainStep | SpeculativeStep, device: torch.device):
     """`step` under torch.compile (one graph, static shapes); on CUDA mode="reduce-overhead", a CUDA graph.
 
@@ -181,4 +184,8 @@ def compiled_step(step: PlainStep | SpeculativeStep, device: torch.device):
     for tensor in step.state():
         torch._dynamo.mark_static_address(tensor, guard=False)
     mode = "reduce-overhead" if device.type == "cuda" else None
+    # Every model, shape and setting sampled in one process adds a compiled entry to the same code object; past
+    # dynamo's default limit of 8 a fullgraph compile is an error, not a fallback (a process that samples several
+    # checkpoints, or the test suite, reaches it), so allow more.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     return torch.compile(step.__call__, fullgraph=True, dynamic=False, mode=mode)

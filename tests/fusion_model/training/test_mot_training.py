@@ -5,7 +5,6 @@ test_distributed, test_monitors), run with a MoT decoder."""
 
 from __future__ import annotations
 
-import logging
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from fusion_model.cli.fit import main
 from fusion_model.config import FusionConfig
 from fusion_model.hf_convert import to_transformers
 from fusion_model.model import FusionModel
+from fusion_model.training import lightning_module
 from fusion_model.training.lightning_module import FusionLightningModule
 from fusion_model.training.monitors import PARAMETER_GROUPS, InstabilityWarning, StabilityMonitor
 
@@ -63,10 +63,19 @@ def init_weights_module(config: FusionConfig, dense_path: Path) -> FusionLightni
     return module
 
 
+@pytest.fixture
+def info_lines(monkeypatch) -> list[str]:
+    """The lines the Lightning module reports through rank_zero_info (stderr in a run; caught here without depending
+    on how earlier tests left the logging configuration)."""
+    lines: list[str] = []
+    monkeypatch.setattr(lightning_module, "rank_zero_info", lambda message, *args, **kwargs: lines.append(message))
+    return lines
+
+
 # ---- upcycling -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("options, norm_placement", [({}, "pre"), ({"attention": False, "norms": False}, "pre"),
                                                      ({}, "swin")])
-def test_an_upcycled_model_computes_the_dense_models_logits(options, norm_placement, tmp_path, caplog):
+def test_an_upcycled_model_computes_the_dense_models_logits(options, norm_placement, tmp_path, info_lines):
     torch.manual_seed(0)
     dense = FusionModel(tiny(norm_placement=norm_placement)).eval()
     with torch.no_grad():  # norms off their initial identity: a norm loaded into the wrong place would show
@@ -74,10 +83,9 @@ def test_an_upcycled_model_computes_the_dense_models_logits(options, norm_placem
             if p.dim() < 2:
                 p.add_(0.3 * torch.randn_like(p))
     save_model(dense, tmp_path / "dense.ckpt")
-    with caplog.at_level(logging.INFO):
-        upcycled = init_weights_module(tiny(norm_placement=norm_placement, block="mot", block_options=options),
-                                       tmp_path / "dense.ckpt").model.eval()
-    assert [r.message for r in caplog.records if "upcycled" in r.message] == [
+    upcycled = init_weights_module(tiny(norm_placement=norm_placement, block="mot", block_options=options),
+                                   tmp_path / "dense.ckpt").model.eval()
+    assert [line for line in info_lines if "upcycled" in line] == [
         f"model.init_weights {tmp_path / 'dense.ckpt'}: upcycled the dense weights into the mot block (each "
         "modality's copy starts as the dense weight)"]
     assert any(".image." in name for name, _ in upcycled.named_parameters())  # really weights per modality
@@ -101,17 +109,16 @@ def test_any_other_architecture_difference_is_still_refused(have, want, differen
     assert difference in str(refused.value) and "--model.config null" in str(refused.value)
 
 
-def test_fit_upcycles_a_dense_run_from_the_command_line_and_its_first_loss_is_the_dense_ones(tmp_path, caplog,
+def test_fit_upcycles_a_dense_run_from_the_command_line_and_its_first_loss_is_the_dense_ones(tmp_path, info_lines,
                                                                                             one_thread):
     tokens = fw.make_token_dir(tmp_path / "tokens")
     layout = list(MOT[1:])
     assert main(fw.tiny_args(tokens, tmp_path / "dense", 2, extra=layout)) == 0
     dense_checkpoint = tmp_path / "dense" / "ckpt" / "last.ckpt"
-    with caplog.at_level(logging.INFO):  # Lightning's info lines (stderr outside pytest)
-        assert main(fw.tiny_args(tokens, tmp_path / "mot", 1, extra=[
-            *MOT, '--model.config.block_options={"norms": false}', f"--model.init_weights={dense_checkpoint}",
-            fw.recorder_arg(tmp_path / "rec")])) == 0
-    assert any("upcycled the dense weights into the mot block" in record.message for record in caplog.records)
+    assert main(fw.tiny_args(tokens, tmp_path / "mot", 1, extra=[
+        *MOT, '--model.config.block_options={"norms": false}', f"--model.init_weights={dense_checkpoint}",
+        fw.recorder_arg(tmp_path / "rec")])) == 0
+    assert any("upcycled the dense weights into the mot block" in line for line in info_lines)
     first = torch.load(tmp_path / "rec.rank0.pt", weights_only=True)
     batch = first["batches"][0]
     with torch.no_grad():  # the first step's loss comes from the upcycled weights, before any update
