@@ -35,19 +35,30 @@ SMOKE = {"base_shards": 4, "tokens_per_shard": 2_000, "multipliers": (1, 2, 4), 
          "rank": 0, "world_size": 4, "repeats": 1, "rate_batches": 4, "rate_seconds": 2.0, "big_shards": (2, 8_000),
          "steady_rate_batches": 8}
 
-# Runs in a fresh interpreter inside the tree under test (PYTHONPATH = that tree): only the stream's public API.
-MEASURE = r"""
-import json, resource, sys, time
-token_dir, seq_len, batch_size, rank, world, rate_batches, rate_seconds = sys.argv[1:8]
-seq_len, batch_size, rank, world, rate_batches = map(int, (seq_len, batch_size, rank, world, rate_batches))
-rate_seconds = float(rate_seconds)
-
+# What both measuring scripts start with: /proc/self/status fields, and the peak RSS counted from the call on.
+PEAK_RSS = r"""
 def status_kib(field):
     with open("/proc/self/status") as handle:
         for line in handle:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise RuntimeError(f"no {field} in /proc/self/status")
+
+def reset_peak():  # (baseline KiB the peak is measured from, how): VmHWM reset to VmRSS where Linux allows it
+    try:  # Linux >= 4.0: reset the peak RSS to the current RSS, so the peak counts from here
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+        return status_kib("VmRSS"), "VmHWM reset by /proc/self/clear_refs after imports, minus VmRSS then"
+    except OSError:
+        return status_kib("VmHWM"), "VmHWM minus VmHWM after imports (peak may hide under the import peak)"
+"""
+
+# Runs in a fresh interpreter inside the tree under test (PYTHONPATH = that tree): only the stream's public API.
+MEASURE = PEAK_RSS + r"""
+import json, resource, sys, time
+token_dir, seq_len, batch_size, rank, world, rate_batches, rate_seconds = sys.argv[1:8]
+seq_len, batch_size, rank, world, rate_batches = map(int, (seq_len, batch_size, rank, world, rate_batches))
+rate_seconds = float(rate_seconds)
 
 import gc
 import numpy, torch
@@ -56,14 +67,7 @@ from data_shards import stream as stream_module
 from data_shards.stream import PackedTokenStream
 make_dataloader = getattr(stream_module, "make_dataloader", None)
 gc.collect()
-try:  # Linux >= 4.0: reset the peak RSS to the current RSS, so the peak counts from here
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
-    peak_method = "VmHWM reset by /proc/self/clear_refs after imports, minus VmRSS then"
-    baseline = status_kib("VmRSS")
-except OSError:
-    peak_method = "VmHWM minus VmHWM after imports (peak may hide under the import peak)"
-    baseline = status_kib("VmHWM")
+baseline, peak_method = reset_peak()
 wall, cpu = time.perf_counter(), time.process_time()
 stream = PackedTokenStream(token_dir, seq_len, batch_size, seed=0, rank=rank, world_size=world)
 constructed_s = time.perf_counter() - wall
@@ -108,24 +112,12 @@ print(json.dumps({
 
 # The O(shards) part a rank may still pay (issue #33: "beyond reading the manifest"): read_manifest alone in a fresh
 # process, for its peak RSS (its time is also taken inside MEASURE, after the first batch, paired with the stream's).
-MEASURE_MANIFEST = r"""
+MEASURE_MANIFEST = PEAK_RSS + r"""
 import gc, json, sys, time
-
-def status_kib(field):
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 from data_shards.token_shards import read_manifest
 gc.collect()
-try:
-    with open("/proc/self/clear_refs", "w") as handle:
-        handle.write("5")
-    baseline = status_kib("VmRSS")
-except OSError:
-    baseline = status_kib("VmHWM")
+baseline, _ = reset_peak()
 wall, cpu = time.perf_counter(), time.process_time()
 manifest = read_manifest(sys.argv[1])
 print(json.dumps({"manifest_fresh_s": time.perf_counter() - wall, "manifest_fresh_cpu_s": time.process_time() - cpu,

@@ -25,7 +25,7 @@ import torch
 
 from fusion_model.demo.datasets import caption, parse_digit, to_model_images
 from fusion_model.demo.settings import FIT_CONFIG, DemoConfig, load_config
-from fusion_model.demo.stages import digits_for, load_image_tokenizer, load_vocab
+from fusion_model.demo.stages import digits_for, load_image_tokenizer, load_vocab, require_outputs
 from fusion_model.late_fusion import LateFusionConfig, LateFusionModel, late_layout
 from tokenizer.files import atomic_write_json, atomic_write_text
 from tokenizer.layout import image_code_mask
@@ -292,11 +292,9 @@ def run(config: ExperimentConfig, log: Callable[[str], None] = print) -> dict:
     demo = load_config(config.demo)
     demo_dir = Path(config.demo_dir or demo.out_dir).resolve()
     out_dir = Path(config.out_dir).resolve()
-    for needed in ("tokenizer/model", "vocab/tokenizer.json", "shards/raw", "generate/classifier.pt"):
-        if not (demo_dir / needed).exists():
-            raise FileNotFoundError(f"{demo_dir / needed} is missing: run `python train.py demo --preset {config.demo}` "
-                                    "first (the experiment reuses its tokenizer, vocabulary, raw shards and classifier)"
-                                    " or pass --demo-dir")
+    require_outputs(demo_dir, config.demo, ("tokenizer/model", "vocab/tokenizer.json", "shards/raw",
+                                            "generate/classifier.pt"),
+                    "tokenizer, vocabulary, raw shards and classifier")
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     vocab, tokenizer = load_vocab(demo_dir), load_image_tokenizer(demo_dir)

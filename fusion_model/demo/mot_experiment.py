@@ -36,7 +36,7 @@ from fusion_model.demo.datasets import (
 )
 from fusion_model.demo.fusion_experiment import fit
 from fusion_model.demo.settings import DemoConfig, load_config
-from fusion_model.demo.stages import digits_for, load_image_tokenizer, load_vocab
+from fusion_model.demo.stages import digits_for, load_image_tokenizer, load_vocab, require_outputs
 from tokenizer.files import atomic_write_json, atomic_write_text
 
 MODALITIES = ("text", "image")
@@ -341,11 +341,9 @@ def run(config: MoTExperimentConfig, log: Callable[[str], None] = print, demo: D
     demo = demo or load_config(config.demo)
     demo_dir = Path(config.demo_dir or demo.out_dir).resolve()
     out_dir = Path(config.out_dir).resolve()
-    for needed in ("tokenizer/model", "vocab/tokenizer.json", "shards/tokens", "generate/classifier.pt"):
-        if not (demo_dir / needed).exists():
-            raise FileNotFoundError(f"{demo_dir / needed} is missing: run `python train.py demo --preset {config.demo}` "
-                                    "first (the experiment reuses its tokenizer, vocabulary, token shards and "
-                                    "classifier) or pass --demo-dir")
+    require_outputs(demo_dir, config.demo, ("tokenizer/model", "vocab/tokenizer.json", "shards/tokens",
+                                            "generate/classifier.pt"),
+                    "tokenizer, vocabulary, token shards and classifier")
     marker = read_marker(demo_dir, "shards")
     if marker is None or marker.get("key") != stage_key(demo, "shards"):
         raise ValueError(f"{demo_dir} was not made with the {config.demo!r} demo settings (its shards stage key "

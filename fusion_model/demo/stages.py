@@ -48,6 +48,14 @@ def load_vocab(out_dir: Path):
     return UnifiedVocab.load(out_dir / "vocab" / "tokenizer.json")
 
 
+def require_outputs(out_dir: Path, preset: str, needed: tuple[str, ...], what: str) -> None:
+    """Refuse, naming the first missing one, a demo folder without the outputs an experiment reuses (`what`)."""
+    for name in needed:
+        if not (out_dir / name).exists():
+            raise FileNotFoundError(f"{out_dir / name} is missing: run `python train.py demo --preset {preset}` first "
+                                    f"(the experiment reuses its {what}) or pass --demo-dir")
+
+
 def load_decoder(out_dir: Path):
     """The decoder trained by stage 4, in eval mode."""
     from fusion_model.checkpoint import load_model
