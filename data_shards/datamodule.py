@@ -7,12 +7,14 @@ from pathlib import Path
 
 import lightning as L
 
+from data_shards.plan import read_index
 from data_shards.stream import DEFAULT_SHUFFLE_WINDOW, PackedTokenStream, make_dataloader
-from data_shards.token_shards import read_manifest
 from tokenizer.compat import check_compatible
 
 
 def _manifest(directory: str, role: str) -> dict:
+    """The manifest's fields (but its shard list: the checks need none of it) of the `role` shards, from the dataset
+    index."""
     path = Path(directory)
     if not path.is_dir() or not (path / "manifest.json").is_file():
         found = sorted(p.name for p in path.glob("*"))[:5] if path.is_dir() else []
@@ -20,7 +22,7 @@ def _manifest(directory: str, role: str) -> dict:
             f"no token shards found for {role} in {path} ({'directory missing' if not path.is_dir() else f'no manifest.json; contents: {found}'}); "
             f"run `train.py shards tokenize --out {path} ...` first or fix --data.{role}_dir"
         )
-    return read_manifest(path)
+    return read_index(path).header
 
 
 class FusionDataModule(L.LightningDataModule):

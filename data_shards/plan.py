@@ -1,6 +1,7 @@
-"""Per-shard row plans: each token shard's documents cut at seq_len and packed into rows, built one shard at a time,
-and the row count of every shard at one seq_len, written once per dataset (`plans/rows-<seq_len>.json`, naming the
-manifest it was made from by its sha256).
+"""Per-shard row plans and the dataset index: each token shard's documents cut at seq_len and packed into rows, built
+one shard at a time; and what a rank reads at start instead of the manifest, written once per dataset under `plans/`:
+`index.json` (the manifest's fields but its shard list, and its sha256), `names.npy` (the shard names, mapped, not
+parsed) and `rows-<seq_len>-<sha256 prefix>.npy` (every shard's row count at that seq_len).
 
 A row holds pieces of documents of one shard only, packed by best-fit decreasing (`pack_rows`) from the stored
 lengths alone, so a shard's rows depend on nothing but that shard and seq_len: the stream needs only the counts of
@@ -14,7 +15,10 @@ import bisect
 import hashlib
 import json
 import multiprocessing
+import os
 import sys
+import tempfile
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +29,9 @@ from data_shards.raw import ShardError
 from data_shards.token_shards import MANIFEST, TokenShard, read_manifest
 from tokenizer.files import atomic_write_json
 
-PLAN_FORMAT = "early-fusion-row-plan/1"
+INDEX_FORMAT = "early-fusion-dataset-index/1"
 PLAN_DIR = "plans"
+NAMES_FILE = "names.npy"
 
 
 def pack_rows(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -99,9 +104,144 @@ def manifest_digest(token_dir: str | Path) -> str:
     return hashlib.sha256((Path(token_dir) / MANIFEST).read_bytes()).hexdigest()
 
 
-def plan_path(token_dir: str | Path, seq_len: int) -> Path:
-    """Where the row plan of `token_dir` at `seq_len` lives."""
-    return Path(token_dir) / PLAN_DIR / f"rows-{seq_len}.json"
+def _encode_names(manifest: dict) -> np.ndarray:
+    """The manifest's shard names as fixed-width UTF-8 bytes (what `names.npy` holds)."""
+    encoded = [entry["name"].encode("utf-8") for entry in manifest["shards"]]
+    names = np.array(encoded, dtype=f"S{max(1, max(map(len, encoded)))}")
+    damaged = [e for n, e in zip(names.tolist(), encoded) if n != e]  # fixed width drops trailing NUL bytes
+    if damaged:
+        raise ShardError(f"shard names ending in a NUL byte cannot be indexed: {damaged[:3]}")
+    return names
+
+
+class ShardNames:
+    """A dataset's shard names in manifest order, read one at a time: a read-only memmap of `names.npy`, so a rank
+    decodes only the names of the shards it opens (pickled as its path: a worker maps the file again)."""
+
+    def __init__(self, path: Path | None, names: np.ndarray | None = None) -> None:
+        self.path = path
+        self._names = np.load(path, mmap_mode="r", allow_pickle=False) if names is None else names
+        if self._names.ndim != 1 or self._names.dtype.kind != "S":
+            raise ValueError(f"{path}: not an array of names")
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __getitem__(self, index: int) -> str:
+        return bytes(self._names[index]).decode("utf-8")
+
+    def __iter__(self) -> Iterator[str]:
+        return (self[i] for i in range(len(self)))
+
+    def __getstate__(self) -> dict:
+        return {"path": self.path} if self.path is not None else {"path": None, "names": np.asarray(self._names)}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["path"], state.get("names"))
+
+
+@dataclass
+class DatasetIndex:
+    """What a rank needs from a token directory's manifest, without parsing it: every field but the shard list
+    (`header`), the shard names (`names`) and the manifest's sha256 (`digest`: the data's identity)."""
+
+    token_dir: Path
+    header: dict
+    names: ShardNames
+    digest: str
+
+    @property
+    def num_shards(self) -> int:
+        """Shards the manifest lists."""
+        return len(self.names)
+
+
+def index_path(token_dir: str | Path) -> Path:
+    """Where the index of `token_dir` lives (its names beside it, in `names.npy`)."""
+    return Path(token_dir) / PLAN_DIR / "index.json"
+
+
+def plan_path(token_dir: str | Path, seq_len: int, digest: str | None = None) -> Path:
+    """Where the row counts of `token_dir` at `seq_len` live: named by the manifest's sha256 (`digest`, hashed when
+    not given), so counts made from other shards are never read."""
+    digest = manifest_digest(token_dir) if digest is None else digest
+    return Path(token_dir) / PLAN_DIR / f"rows-{seq_len}-{digest[:16]}.npy"
+
+
+def _manifest_stat(token_dir: Path) -> list[int]:
+    stat = (token_dir / MANIFEST).stat()
+    return [stat.st_size, stat.st_mtime_ns]
+
+
+def _atomic_save(path: Path, array: np.ndarray) -> None:
+    """np.save through a temporary file in the same directory and a rename: readers see the old file or the new."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.stem}-", suffix=".npy", delete=False) as handle:
+        np.save(handle, array, allow_pickle=False)
+    os.replace(handle.name, path)
+
+
+def write_index(token_dir: str | Path, manifest: dict | None = None) -> DatasetIndex:
+    """Write (atomically) the index of `token_dir` from its full manifest (checked by `read_manifest`: every listed
+    file present, ids within the vocabulary)."""
+    token_dir = Path(token_dir)
+    manifest = read_manifest(token_dir) if manifest is None else manifest
+    names = _encode_names(manifest)
+    _atomic_save(token_dir / PLAN_DIR / NAMES_FILE, names)
+    header = {key: value for key, value in manifest.items() if key != "shards"}
+    atomic_write_json(index_path(token_dir), {"format": INDEX_FORMAT, "manifest_sha256": manifest_digest(token_dir),
+                                              "manifest_stat": _manifest_stat(token_dir), "shards": len(names),
+                                              "header": header}, indent=None)
+    index, why = _load_index(token_dir)
+    if index is None:  # the manifest changed while the index was written
+        raise ShardError(f"{token_dir}: {why}; is another process writing the dataset?")
+    return index
+
+
+def _load_index(token_dir: Path) -> tuple[DatasetIndex | None, str]:
+    """(index, "") when the stored index describes the manifest as it is now, else (None, why not)."""
+    path = index_path(token_dir)
+    if not path.is_file():
+        return None, f"{path} is missing"
+    try:
+        stored = json.loads(path.read_text())
+        names = ShardNames(path.parent / NAMES_FILE)
+    except (OSError, ValueError) as err:
+        return None, f"{path} is unreadable ({type(err).__name__}: {err})"
+    if (not isinstance(stored, dict) or stored.get("format") != INDEX_FORMAT
+            or not isinstance(stored.get("header"), dict) or not isinstance(stored.get("manifest_sha256"), str)):
+        return None, f"{path} is not a {INDEX_FORMAT} index"
+    if stored.get("shards") != len(names):
+        return None, f"{path} disagrees with the {NAMES_FILE} beside it"
+    # the manifest's size and mtime unchanged: the index holds (a stat, not a read of an O(shards) file); changed,
+    # its bytes decide (a copy or a rewrite with equal content keeps the index)
+    if stored.get("manifest_stat") != _manifest_stat(token_dir) and stored["manifest_sha256"] != manifest_digest(
+            token_dir):
+        return None, f"{path} was made from another {MANIFEST}"
+    return DatasetIndex(token_dir, stored["header"], names, stored["manifest_sha256"]), ""
+
+
+def read_index(token_dir: str | Path) -> DatasetIndex:
+    """The index of `token_dir`, in O(1) plus a map of its names when it is fresh; when it is missing or stale, made
+    from the full manifest (one line on stderr says so) and written back, or kept in memory when the directory is
+    read-only."""
+    token_dir = Path(token_dir)
+    if not (token_dir / MANIFEST).is_file():
+        read_manifest(token_dir)  # raises its message: not a token shard directory, and what to run
+    index, why = _load_index(token_dir)
+    if index is not None:
+        return index
+    manifest = read_manifest(token_dir)
+    print(f"dataset index: {why}; reading all {len(manifest['shards'])} shards of {token_dir / MANIFEST} (once: "
+          "it is written back)", file=sys.stderr, flush=True)
+    try:
+        return write_index(token_dir, manifest)
+    except OSError as err:  # a read-only dataset: the index lives in memory, made again at every start
+        print(f"dataset index: cannot write {token_dir / PLAN_DIR} ({err}); every start will read the whole manifest "
+              f"(run `train.py shards plan {token_dir} --seq-len N` where it can be written)", file=sys.stderr,
+              flush=True)
+        return DatasetIndex(token_dir, {k: v for k, v in manifest.items() if k != "shards"},
+                            ShardNames(None, _encode_names(manifest)), manifest_digest(token_dir))
 
 
 def _count_rows(token_dir: str, names: list[str], vocab_size: int, seq_len: int) -> list[int]:
@@ -110,71 +250,64 @@ def _count_rows(token_dir: str, names: list[str], vocab_size: int, seq_len: int)
             for name in names]
 
 
-def compute_row_counts(token_dir: str | Path, manifest: dict, seq_len: int, workers: int = 1) -> list[int]:
+def compute_row_counts(token_dir: str | Path, index: DatasetIndex, seq_len: int, workers: int = 1) -> list[int]:
     """Every shard's row count at seq_len, from its offsets (structure checked, files not hashed); `workers`
     processes share the shards (packing is pure Python: about 0.8 s of CPU per million documents)."""
-    names = [entry["name"] for entry in manifest["shards"]]
+    names, vocab_size = list(index.names), int(index.header["vocab_size"])
     if workers <= 1 or len(names) < 2:
-        return _count_rows(str(token_dir), names, manifest["vocab_size"], seq_len)
+        return _count_rows(str(token_dir), names, vocab_size, seq_len)
     # forkserver/spawn, never fork: the caller may have started threads (torch, a stream's checker)
     method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     step = max(1, -(-len(names) // (workers * 8)))  # a few tasks per worker: uneven shards even out
     chunks = [names[i : i + step] for i in range(0, len(names), step)]
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method)) as pool:
-        parts = pool.map(_count_rows, [str(token_dir)] * len(chunks), chunks, [manifest["vocab_size"]] * len(chunks),
+        parts = pool.map(_count_rows, [str(token_dir)] * len(chunks), chunks, [vocab_size] * len(chunks),
                          [seq_len] * len(chunks))
         return [count for part in parts for count in part]
 
 
-def write_plan(token_dir: str | Path, seq_len: int, manifest: dict | None = None,
-               counts: list[int] | None = None, workers: int = 1) -> Path:
-    """Write (atomically) the row plan of `token_dir` at `seq_len`, computing the counts (on `workers` processes)
-    unless given."""
+def write_plan(token_dir: str | Path, seq_len: int, counts: list[int] | None = None, workers: int = 1) -> Path:
+    """Write (atomically) the index of `token_dir` and its row counts at `seq_len`, computing the counts (on
+    `workers` processes) unless given; returns the counts' path."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
-    manifest = read_manifest(token_dir) if manifest is None else manifest
-    counts = compute_row_counts(token_dir, manifest, seq_len, workers) if counts is None else counts
-    path = plan_path(token_dir, seq_len)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(path, {"format": PLAN_FORMAT, "seq_len": seq_len, "manifest_sha256": manifest_digest(token_dir),
-                             "shards": [s["name"] for s in manifest["shards"]], "rows": [int(c) for c in counts]},
-                      indent=None)
+    index = write_index(token_dir)
+    counts = compute_row_counts(token_dir, index, seq_len, workers) if counts is None else counts
+    if len(counts) != index.num_shards:
+        raise ValueError(f"{len(counts)} row counts for {index.num_shards} shards")
+    path = plan_path(token_dir, seq_len, index.digest)
+    _atomic_save(path, np.asarray(counts, dtype=np.int64))
     return path
 
 
-def read_plan(token_dir: str | Path, manifest: dict, seq_len: int) -> tuple[list[int] | None, str]:
-    """(row counts, "") from the plan file, or (None, why it cannot be used: missing, unreadable, other shards)."""
-    path = plan_path(token_dir, seq_len)
+def read_plan(index: DatasetIndex, seq_len: int) -> tuple[np.ndarray | None, str]:
+    """(row counts, "") from the plan file, or (None, why it cannot be used: missing or unreadable)."""
+    path = plan_path(index.token_dir, seq_len, index.digest)
     if not path.is_file():
         return None, f"{path} is missing"
     try:
-        plan = json.loads(path.read_text())
+        rows = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as err:
-        return None, f"{path} is unreadable ({err})"
-    names = [s["name"] for s in manifest["shards"]]
-    if not isinstance(plan, dict) or plan.get("format") != PLAN_FORMAT or plan.get("seq_len") != seq_len:
-        return None, f"{path} is not a {PLAN_FORMAT} plan for seq_len {seq_len}"
-    rows = plan.get("rows")
-    if (plan.get("shards") != names or plan.get("manifest_sha256") != manifest_digest(token_dir)
-            or not isinstance(rows, list) or len(rows) != len(names)
-            or not all(isinstance(r, int) and r >= 0 for r in rows)):
-        return None, f"{path} was made from other shards than the manifest lists"
+        return None, f"{path} is unreadable ({type(err).__name__}: {err})"
+    if rows.ndim != 1 or rows.dtype != np.int64 or len(rows) != index.num_shards or (rows < 0).any():
+        return None, f"{path} does not hold {index.num_shards} row counts"
     return rows, ""
 
 
-def load_row_counts(token_dir: str | Path, manifest: dict, seq_len: int) -> np.ndarray:
-    """Every shard's row count at seq_len: from the plan file (O(shards)); when it is missing or stale, computed
-    from every shard's offsets (one line on stderr says so) and written back when the directory allows."""
-    counts, why = read_plan(token_dir, manifest, seq_len)
+def load_row_counts(index: DatasetIndex, seq_len: int) -> np.ndarray:
+    """Every shard's row count at seq_len: from the plan file (O(shards) int64s); when it is missing or damaged,
+    computed from every shard's offsets (one line on stderr says so) and written back when the directory allows."""
+    counts, why = read_plan(index, seq_len)
     if counts is None:
-        print(f"row plan: {why}; computing it from the offsets of all {len(manifest['shards'])} shards "
+        token_dir = index.token_dir
+        print(f"row plan: {why}; computing it from the offsets of all {index.num_shards} shards "
               f"(run `train.py shards plan {token_dir} --seq-len {seq_len}` once to skip this)",
               file=sys.stderr, flush=True)
-        counts = compute_row_counts(token_dir, manifest, seq_len)
+        counts = np.asarray(compute_row_counts(token_dir, index, seq_len), dtype=np.int64)
         try:
-            write_plan(token_dir, seq_len, manifest, counts)
+            _atomic_save(plan_path(token_dir, seq_len, index.digest), counts)
         except OSError:  # a read-only dataset: the counts are still right, only not kept
             pass
-    if not counts:
-        raise ShardError(f"{token_dir}: no rows at seq_len {seq_len}")
-    return np.asarray(counts, dtype=np.int64)
+    if not counts.sum():
+        raise ShardError(f"{index.token_dir}: no rows at seq_len {seq_len}")
+    return counts

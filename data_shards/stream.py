@@ -46,9 +46,9 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from data_shards.plan import ShardRows, load_row_counts, manifest_digest, pack_rows, shard_rows
+from data_shards.plan import ShardRows, load_row_counts, pack_rows, read_index, shard_rows
 from data_shards.raw import ShardError
-from data_shards.token_shards import TokenShard, read_manifest
+from data_shards.token_shards import TokenShard
 from tokenizer.layout import image_code_mask
 
 __all__ = ["DATA_ERROR", "PackedTokenStream", "ResumableDataLoader", "document_causal_mask", "make_dataloader",
@@ -200,7 +200,10 @@ class PackedTokenStream(IterableDataset):
                              f"{batch_size}, {shuffle_window}, {accumulate}")
         self.accumulate = int(accumulate)
         self.token_dir = Path(token_dir)
-        self.manifest = read_manifest(token_dir)
+        # the manifest's fields and shard names from the dataset index: O(1) reads and a map, never a parse of
+        # the O(shards) manifest (made and written back once when missing)
+        self.index = read_index(token_dir)
+        self.manifest = self.index.header  # every manifest field but the shard list
         self.image_features = image_features
         self.token_keys = token_keys
         if image_features and not self.manifest.get("feature_dim"):
@@ -213,12 +216,12 @@ class PackedTokenStream(IterableDataset):
         # a damaged shard ends the pass with a flagged padding batch instead of raising (set by the loader)
         self.share_errors = False
         self.vocab_size, self.pad_id = self.manifest["vocab_size"], self.manifest["pad_id"]
-        self.shard_names = [s["name"] for s in self.manifest["shards"]]
-        # the data's identity, hashed once (signatures are taken at every save): the manifest's bytes name every
-        # shard with its checksums and the vocabulary's fingerprint
-        self._data_key = manifest_digest(self.token_dir)
-        # rows per shard (manifest order): all the epoch plan needs, O(shards)
-        self.shard_rows = load_row_counts(self.token_dir, self.manifest, seq_len)
+        self.shard_names = self.index.names
+        # the data's identity (signatures are taken at every save): the manifest's sha256 names every shard with its
+        # checksums and the vocabulary's fingerprint
+        self._data_key = self.index.digest
+        # rows per shard (manifest order): all the epoch plan needs, O(shards) int64s
+        self.shard_rows = load_row_counts(self.index, seq_len)
         self.num_rows = int(self.shard_rows.sum())
         self.epoch = 0
         self._start_batch = 0

@@ -86,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("dir", metavar="TOKENS_DIR", help="token shard directory (from `shards tokenize`)")
     _add_split(ver, "checks every world-size-th shard")
 
-    plan = sub.add_parser("plan", help="write each shard's row count at a seq_len (TOKENS_DIR/plans/rows-N.json), so a "
-                                       "training rank lays out an epoch without opening every shard",
+    plan = sub.add_parser("plan", help="write the dataset index and each shard's row count at a seq_len (TOKENS_DIR/plans/: "
+                                       "index.json, names.npy, rows-N-<manifest sha256>.npy), so a training rank "
+                                       "lays out an epoch without reading the manifest or opening every shard",
                           formatter_class=DefaultsHelpFormatter)
     plan.add_argument("dir", metavar="TOKENS_DIR", help="token shard directory (from `shards tokenize`)")
     plan.add_argument("--seq-len", type=int, required=True, help="the training sequence length (data.seq_len)")
@@ -285,12 +286,14 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
+    import numpy as np
+
     from data_shards.plan import write_plan
 
     if args.seq_len < 1:
         raise SystemExit(f"--seq-len must be positive, got {args.seq_len}")
     path = write_plan(args.dir, args.seq_len, workers=max(1, args.workers))
-    rows = sum(json.loads(path.read_text())["rows"])
+    rows = int(np.load(path, allow_pickle=False).sum())
     print(f"wrote {path}: {rows} rows of {args.seq_len} tokens")
     return 0
 

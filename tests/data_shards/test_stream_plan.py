@@ -4,6 +4,7 @@ exactly-once reading and exact resume with small shuffle windows, and a damaged 
 from __future__ import annotations
 
 import json
+import pickle
 from collections import Counter
 
 import numpy as np
@@ -227,42 +228,86 @@ def test_a_damaged_shard_is_caught_on_first_open_before_any_of_its_rows_is_used(
     assert bool((batches[-1]["document_ids"] == -1).all()), "the flagged batch holds no data"
 
 
-def test_shards_plan_writes_the_file_the_stream_reads_without_opening_a_shard(tmp_path, tok, monkeypatch, capsys):
+def test_shards_plan_writes_the_files_the_stream_reads_without_opening_a_shard_or_parsing_the_manifest(
+        tmp_path, tok, monkeypatch, capsys):
     token_dir, _ = _many_shards(tmp_path, tok, documents=40)
     assert cli.main(["shards", "plan", str(token_dir), "--seq-len", str(SEQ_LEN), "--workers", "2"]) == 0
-    plan = json.loads(plan_path(token_dir, SEQ_LEN).read_text())
-    assert plan["shards"] == [f"shard-{i:06d}" for i in range(10)] and len(plan["rows"]) == 10
+    rows = np.load(plan_path(token_dir, SEQ_LEN), allow_pickle=False)
+    index = plan_module.read_index(token_dir)
+    assert list(index.names) == [f"shard-{i:06d}" for i in range(10)] and len(rows) == 10
+    assert rows.tolist() == plan_module.compute_row_counts(token_dir, index, SEQ_LEN), "2 processes = 1"
     manifest = json.loads((token_dir / "manifest.json").read_text())
-    assert plan["rows"] == plan_module.compute_row_counts(token_dir, manifest, SEQ_LEN), "2 processes = 1"
+    assert index.header == {k: v for k, v in manifest.items() if k != "shards"}
     capsys.readouterr()
-    opened = []
+    opened, parsed = [], []
     original = TokenShard.__init__
     monkeypatch.setattr(TokenShard, "__init__", lambda self, *a, **k: (opened.append(a), original(self, *a, **k))[1])
+    monkeypatch.setattr(plan_module, "read_manifest", lambda *a: parsed.append(a))
     stream = _stream(token_dir)
-    assert opened == [] and stream.num_rows == sum(plan["rows"])
+    assert opened == [] and parsed == [] and stream.num_rows == int(rows.sum())
+    assert stream.shard_names[3] == "shard-000003" and stream.manifest["vocab_size"] == tok.VOCAB_SIZE
     assert "row plan" not in capsys.readouterr().err
 
 
-def test_a_missing_or_stale_plan_is_computed_with_one_line_and_written(tmp_path, tok, capsys):
+def test_a_missing_plan_or_index_is_made_with_one_line_and_written(tmp_path, tok, capsys):
     token_dir, docs = _many_shards(tmp_path, tok, documents=40)
     rows = _stream(token_dir).num_rows
     err = capsys.readouterr().err
-    assert "rows-24.json is missing" in err and "shards plan" in err and plan_path(token_dir, SEQ_LEN).is_file()
-    assert _stream(token_dir).num_rows == rows and "row plan" not in capsys.readouterr().err
+    assert "index.json is missing" in err and "is missing" in err.split("row plan:")[1] and "shards plan" in err
+    assert plan_path(token_dir, SEQ_LEN).is_file() and plan_module.index_path(token_dir).is_file()
+    assert _stream(token_dir).num_rows == rows and capsys.readouterr().err == ""
 
-    # a plan made from other shards (here: fewer) is not used: it is recomputed for the manifest's shards
+    # damaged counts are not used: recomputed and written again
     path = plan_path(token_dir, SEQ_LEN)
-    plan = json.loads(path.read_text())
-    path.write_text(json.dumps({**plan, "shards": plan["shards"][:-1], "rows": plan["rows"][:-1]}))
+    good = path.read_bytes()
+    path.write_bytes(good[:-8])
     assert _stream(token_dir).num_rows == rows
-    assert "made from other shards" in capsys.readouterr().err
-    assert json.loads(path.read_text()) == plan
+    assert "unreadable" in capsys.readouterr().err and path.read_bytes() == good
+
+
+def test_another_manifest_makes_a_new_index_and_plan(tmp_path, tok, capsys):
+    token_dir, docs = _many_shards(tmp_path, tok, documents=40)
+    before = _stream(token_dir)
+    capsys.readouterr()
+    # the same bytes written again (a copy, a touch): the stat differs, the sha256 keeps the index
+    manifest_file = token_dir / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    manifest_file.write_bytes(manifest_file.read_bytes())
+    assert _stream(token_dir).num_rows == before.num_rows and capsys.readouterr().err == ""
+
+    # fewer shards: the index is stale, made again, and the counts are those of the new manifest's shards
+    manifest_file.write_text(json.dumps({**manifest, "shards": manifest["shards"][:-1]}))
+    after = _stream(token_dir)
+    err = capsys.readouterr().err
+    assert "made from another manifest.json" in err and "row plan" in err
+    assert len(after.shard_names) == len(before.shard_names) - 1 and after.num_rows < before.num_rows
+    assert after.order_signature() != before.order_signature(), "a loader state of the old data does not resume"
+
+
+def test_a_read_only_dataset_reads_its_manifest_each_start_and_says_so(tmp_path, tok, capsys, monkeypatch):
+    token_dir, _ = _many_shards(tmp_path, tok, documents=40)
+    expected = _stream(token_dir)
+    for path in (token_dir / "plans").iterdir():
+        path.unlink()
+
+    def read_only(path, array):  # what a dataset on a read-only mount answers (root writes through chmod 555)
+        raise PermissionError(13, "Read-only file system", str(path))
+
+    monkeypatch.setattr(plan_module, "_atomic_save", read_only)
+    capsys.readouterr()
+    stream = _stream(token_dir)
+    err = capsys.readouterr().err
+    assert "cannot write" in err and "Read-only file system" in err
+    assert stream.num_rows == expected.num_rows and stream.order_signature() == expected.order_signature()
+    assert list((token_dir / "plans").iterdir()) == []
+    copy = pickle.loads(pickle.dumps(stream))
+    assert copy.shard_names[2] == expected.shard_names[2] and len(copy.shard_names) == 10, "workers get the names"
+    assert next(iter(copy))["input_ids"].equal(next(iter(expected))["input_ids"])
 
 
 def test_a_plan_whose_counts_disagree_with_a_shard_is_refused_at_its_open(tmp_path, tok, monkeypatch):
     token_dir, _ = _many_shards(tmp_path, tok, documents=40)
-    counts = plan_module.compute_row_counts(token_dir, json.loads((token_dir / "manifest.json").read_text()),
-                                            SEQ_LEN)
+    counts = plan_module.compute_row_counts(token_dir, plan_module.read_index(token_dir), SEQ_LEN)
     write_plan(token_dir, SEQ_LEN, counts=[c + 1 for c in counts])  # right shards, wrong counts (edited by hand)
     with pytest.raises(ShardError, match="the plan is stale.*shards plan"):
         list(_stream(token_dir))
