@@ -53,8 +53,17 @@ def reset_peak():  # (baseline KiB the peak is measured from, how): VmHWM reset 
         return status_kib("VmHWM"), "VmHWM minus VmHWM after imports (peak may hide under the import peak)"
 """
 
+# What a rank reads of the dataset's metadata at start: the dataset index where the tree has one (it replaced the
+# manifest's parse), else the whole manifest.
+READ_METADATA = r"""
+try:
+    from data_shards.plan import read_index as read_metadata
+except ImportError:
+    from data_shards.token_shards import read_manifest as read_metadata
+"""
+
 # Runs in a fresh interpreter inside the tree under test (PYTHONPATH = that tree): only the stream's public API.
-MEASURE = PEAK_RSS + r"""
+MEASURE = PEAK_RSS + READ_METADATA + r"""
 import json, resource, sys, time
 token_dir, seq_len, batch_size, rank, world, rate_batches, rate_seconds = sys.argv[1:8]
 seq_len, batch_size, rank, world, rate_batches = map(int, (seq_len, batch_size, rank, world, rate_batches))
@@ -76,10 +85,10 @@ batches = iter(loader)
 first = next(batches)
 first_batch_s, first_batch_cpu_s = time.perf_counter() - wall, time.process_time() - cpu
 peak_first = status_kib("VmHWM") - baseline
-# the manifest read the stream did too, again in this process (same files, same page cache), for "beyond the manifest"
-from data_shards.token_shards import read_manifest
+# the manifest read the stream did too (a tree with the dataset index reads that instead), again in this process
+# (same files, same page cache), for "beyond the manifest"
 manifest_wall, manifest_cpu = time.perf_counter(), time.process_time()
-read_manifest(token_dir)
+read_metadata(token_dir)
 manifest_s, manifest_cpu_s = time.perf_counter() - manifest_wall, time.process_time() - manifest_cpu
 # the loader's steady rate: whole batches of B x T slots, epochs run through as needed
 count, real, start, start_cpu, epoch_batches = 0, 0, time.perf_counter(), time.process_time(), len(stream)
@@ -112,14 +121,13 @@ print(json.dumps({
 
 # The O(shards) part a rank may still pay (issue #33: "beyond reading the manifest"): read_manifest alone in a fresh
 # process, for its peak RSS (its time is also taken inside MEASURE, after the first batch, paired with the stream's).
-MEASURE_MANIFEST = PEAK_RSS + r"""
+MEASURE_MANIFEST = PEAK_RSS + READ_METADATA + r"""
 import gc, json, sys, time
 
-from data_shards.token_shards import read_manifest
 gc.collect()
 baseline, _ = reset_peak()
 wall, cpu = time.perf_counter(), time.process_time()
-manifest = read_manifest(sys.argv[1])
+metadata = read_metadata(sys.argv[1])
 print(json.dumps({"manifest_fresh_s": time.perf_counter() - wall, "manifest_fresh_cpu_s": time.process_time() - cpu,
                   "manifest_peak_rss_increase_bytes": 1024 * (status_kib("VmHWM") - baseline)}))
 """
@@ -481,9 +489,10 @@ def section(body: dict) -> list[str]:
         f"seq_len {config.get('seq_len')}, batch {config.get('batch_size')}. Each size runs in its own fresh process "
         f"per tree, {config.get('repeats')} times, sizes and trees alternating (medians). First batch: wall (and CPU) "
         "seconds from `PackedTokenStream(...)` to `next(iter(make_dataloader(stream)))`, 0 workers. Peak RSS: the "
-        "VmHWM increase over the RSS after imports. Manifest: `read_manifest` timed again in the same process after the "
-        "first batch, and alone in another fresh process for its peak RSS: the O(shards) part the issue allows "
-        "(\"beyond reading the manifest\"). Tokens/s: the loader's own rate over "
+        "VmHWM increase over the RSS after imports. Manifest: what the tree reads of the dataset's metadata at start "
+        "(`read_manifest`, or `read_index` in a tree with the dataset index, which replaced the manifest's parse) "
+        "timed again in the same process after the first batch, and alone in another fresh process for its peak RSS: "
+        "the O(shards) part the issue allows (\"beyond reading the manifest\"). Tokens/s: the loader's own rate over "
         f"{config.get('rate_batches')} batches after the first (B × T slots per batch; epochs run through), not "
         "training's. The files are warm in the page cache, so hashing runs at memory speed. "
         f"Measured {body.get('measured_at', '?')}" + (f", load {load:g} on {body.get('machine', {}).get('cpu_count')}"
