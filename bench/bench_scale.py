@@ -55,8 +55,12 @@ def reset_peak():  # (baseline KiB the peak is measured from, how): VmHWM reset 
 
 # What a rank reads of the dataset's metadata at start: the dataset index where the tree has one (it replaced the
 # manifest's parse), else the whole manifest.
+# (The tree's own file is checked first: an editable install of this checkout would supply a module the tree lacks.)
 READ_METADATA = r"""
+import os as _os
 try:
+    if not _os.path.isfile(_os.path.join("data_shards", "plan.py")):
+        raise ImportError("this tree has no data_shards/plan.py")
     from data_shards.plan import read_index as read_metadata
 except ImportError:
     from data_shards.token_shards import read_manifest as read_metadata
