@@ -15,9 +15,7 @@ import bisect
 import hashlib
 import json
 import multiprocessing
-import os
 import sys
-import tempfile
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
@@ -27,7 +25,7 @@ import numpy as np
 
 from data_shards.raw import ShardError
 from data_shards.token_shards import MANIFEST, TokenShard, read_manifest
-from tokenizer.files import atomic_write_json
+from tokenizer.files import atomic_open, atomic_write_json
 
 INDEX_FORMAT = "early-fusion-dataset-index/1"
 PLAN_DIR = "plans"
@@ -174,11 +172,9 @@ def _manifest_stat(token_dir: Path) -> list[int]:
 
 
 def _atomic_save(path: Path, array: np.ndarray) -> None:
-    """np.save through a temporary file in the same directory and a rename: readers see the old file or the new."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=f".{path.stem}-", suffix=".npy", delete=False) as handle:
+    """np.save, atomically (readers see the old file or the new one) and with a plain open()'s permissions."""
+    with atomic_open(path, "wb") as handle:
         np.save(handle, array, allow_pickle=False)
-    os.replace(handle.name, path)
 
 
 def write_index(token_dir: str | Path, manifest: dict | None = None) -> DatasetIndex:

@@ -255,6 +255,8 @@ def test_a_missing_plan_or_index_is_made_with_one_line_and_written(tmp_path, tok
     err = capsys.readouterr().err
     assert "index.json is missing" in err and "is missing" in err.split("row plan:")[1] and "shards plan" in err
     assert plan_path(token_dir, SEQ_LEN).is_file() and plan_module.index_path(token_dir).is_file()
+    modes = {path.name: path.stat().st_mode & 0o777 for path in (token_dir / "plans").iterdir()}
+    assert len(set(modes.values())) == 1, f"every file of the index readable as a plain open() makes it: {modes}"
     assert _stream(token_dir).num_rows == rows and capsys.readouterr().err == ""
 
     # damaged counts are not used: recomputed and written again
