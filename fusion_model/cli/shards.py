@@ -294,7 +294,8 @@ def _plan(args: argparse.Namespace) -> int:
         raise SystemExit(f"--seq-len must be positive, got {args.seq_len}")
     path = write_plan(args.dir, args.seq_len, workers=max(1, args.workers))
     rows = int(np.load(path, allow_pickle=False).sum())
-    print(f"wrote {path}: {rows} rows of {args.seq_len} tokens")
+    print(f"wrote the dataset index and the row counts at seq_len {args.seq_len} in {path.parent} ({path.name}): "
+          f"{rows} rows of {args.seq_len} tokens")
     return 0
 
 
