@@ -1,4 +1,5 @@
-"""The image tokenizer's configuration: one dataclass and named presets (chameleon, demo-64, photos-64, small-128)."""
+"""The image tokenizer's configuration: one dataclass and named presets (chameleon, demo-64, photos-64, small-128;
+kl-demo-64 and kl-f8 for the continuous tokenizer)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from typing import Any
 
 QUANTIZER_MODES = ("chameleon", "improved")
 RESAMPLE_MODES = ("vqgan", "strided")
+# "vq": a codebook, images become integer codes (Chameleon); "kl": a diagonal Gaussian, images become continuous
+# latents (the VAE of latent diffusion and Transfusion)
+BOTTLENECKS = ("vq", "kl")
 # Fields added after bundles and shards were first written: left out of `to_dict` at their defaults, so the
 # fingerprints of existing tokenizers do not change.
-_LATER_FIELDS: dict[str, Any] = {"decoder_res_blocks": None, "resample": "vqgan"}
+_LATER_FIELDS: dict[str, Any] = {"decoder_res_blocks": None, "resample": "vqgan", "bottleneck": "vq"}
 
 
 @dataclass
@@ -41,12 +45,16 @@ class ImageTokenizerConfig:
         "chameleon"  # "chameleon": Euclidean argmin; "improved": LlamaGen-style l2-normalised codes
     )
     # None means "the quantizer mode's default" (resolved in __post_init__):
-    embed_dim: int | None = None  # code dimension: latent_channels (chameleon) or 8 (improved)
+    # code dimension: latent_channels (chameleon) or 8 (improved); with bottleneck "kl", the latent channels
+    embed_dim: int | None = None
     kmeans_init: bool | None = None  # False (chameleon) / True (improved)
     dead_code_threshold: float | None = None  # EMA cluster size under which a code is replaced: 0 / 2
     commitment_weight: float = 0.25  # beta
     ema_decay: float = 0.99  # EMA codebook update (synchronised across DDP ranks)
     rotation_trick: bool = False  # False: plain straight-through estimator
+    # "kl" replaces the quantizer by a Gaussian (quant_conv gives mean and log-variance of embed_dim channels); the
+    # codebook fields above are then unused
+    bottleneck: str = "vq"
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -54,6 +62,8 @@ class ImageTokenizerConfig:
             raise ValueError(f"quantizer must be one of {QUANTIZER_MODES}, got {self.quantizer!r}")
         if self.resample not in RESAMPLE_MODES:
             raise ValueError(f"resample must be one of {RESAMPLE_MODES}, got {self.resample!r}")
+        if self.bottleneck not in BOTTLENECKS:
+            raise ValueError(f"bottleneck must be one of {BOTTLENECKS}, got {self.bottleneck!r}")
         improved = self.quantizer == "improved"
         if self.embed_dim is None:
             self.embed_dim = 8 if improved else self.latent_channels
@@ -107,7 +117,8 @@ class ImageTokenizerConfig:
     def chameleon_layout(self) -> bool:
         """Whether transformers' ChameleonVQVAE can hold this encoder and quantizer (one block count, GroupNorm 32,
         Euclidean codes)."""
-        return (self.quantizer == "chameleon" and self.norm_groups == 32 and isinstance(self.num_res_blocks, int)
+        return (self.bottleneck == "vq" and self.quantizer == "chameleon" and self.norm_groups == 32
+                and isinstance(self.num_res_blocks, int)
                 and self.num_res_blocks > 0 and self.resample == "vqgan")
 
     @property
@@ -181,6 +192,30 @@ _DEMO_64: dict[str, Any] = dict(
     dead_code_threshold=0.05,
 )
 
+# The continuous tokenizer for the demo's digits: demo-64's encoder and decoder with a Gaussian of 8 channels (as
+# Transfusion's VAE) in place of the codebook. The latent grid stays demo-64's 4x4 (16x downsampling), so a
+# diffusion decoder reading 1x1 patches sees 16 patches per digit, as many as a Chameleon decoder sees codes.
+# The codebook fields (codebook_size, k-means, dead codes) are left at their defaults, unused: a Gaussian has none.
+_KL_DEMO_64: dict[str, Any] = {
+    **{k: v for k, v in _DEMO_64.items() if k not in ("codebook_size", "quantizer", "kmeans_init", "dead_code_threshold")},
+    "bottleneck": "kl",
+    "embed_dim": 8,
+}
+
+# Transfusion-like continuous tokenizer for real images: latent diffusion's kl-f8 VAE (8x downsampling, 4 levels of
+# widths 128-512, 2 res-blocks per level, attention only in the mid block, VQGAN resampling) with Transfusion's 8
+# latent channels; the encoder's output is 2 x 8 wide, as LDM's (mean and log-variance of each channel), and 256 px
+# give 32x32 latents, 16x16 = 256 patches of 2x2. ~84M parameters: a GPU preset.
+_KL_F8: dict[str, Any] = {
+    "image_size": 256,
+    "base_channels": 128,
+    "channel_multiplier": (1, 2, 4, 4),
+    "num_res_blocks": 2,
+    "latent_channels": 16,
+    "bottleneck": "kl",
+    "embed_dim": 8,
+}
+
 # Each preset names only the fields it changes (from the dataclass defaults, or from the preset it derives
 # from); configs/tokenizer/*.yaml name a preset and add only their overrides.
 PRESETS: dict[str, dict[str, Any]] = {
@@ -194,4 +229,6 @@ PRESETS: dict[str, dict[str, Any]] = {
     # small photos at 128 px -> 8x8 codes, for CPU training runs on real photos: the demo-64 network
     # (convolutions do not grow with resolution, compute grows 4x) with a codebook twice as large.
     "small-128": {**_DEMO_64, "image_size": 128, "codebook_size": 1024},
+    "kl-demo-64": _KL_DEMO_64,
+    "kl-f8": _KL_F8,
 }

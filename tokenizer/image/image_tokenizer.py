@@ -1,5 +1,6 @@
 """`ImageTokenizer`: images <-> grids of codes (H/16 x W/16 integers below the codebook size), with
-save/load as config json + safetensors and import of transformers' ChameleonVQVAE weights."""
+save/load as config json + safetensors and import of transformers' ChameleonVQVAE weights; `ImageAutoencoder`, what
+it shares with the continuous tokenizer (pixel input, fingerprint, the bundle on disk)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple, TypeVar
 
 import torch
 from PIL import Image
@@ -23,6 +24,10 @@ from tokenizer.image.quantizer import Quantizer
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+KIND_OF_BOTTLENECK = {"vq": "vq", "kl": "continuous"}  # a config's bottleneck -> its bundle's `kind`
+_WHAT_KIND_HOLDS = {"vq": "discrete codes", "continuous": "continuous latents"}
+_EXAMPLE_PRESET = {"vq": "demo-64", "continuous": "kl-demo-64"}
+_Bundle = TypeVar("_Bundle", bound="ImageAutoencoder")
 
 
 class TokenizerOutput(NamedTuple):
@@ -34,45 +39,61 @@ class TokenizerOutput(NamedTuple):
     latents: torch.Tensor  # (B, embed_dim, h, w) before quantisation
 
 
-class ImageTokenizer(nn.Module):
-    """Chameleon-layout VQGAN: encoder -> quant_conv -> quantize -> post_quant_conv -> decoder."""
+def read_bundle_config(directory: str | os.PathLike) -> ImageTokenizerConfig:
+    """The config of the bundle in `directory`; raises naming a missing file."""
+    directory = Path(directory)
+    config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} is missing: an image tokenizer bundle needs {CONFIG_NAME} and "
+                f"{WEIGHTS_NAME} (write one with save_pretrained or `train.py tokenizer export`)"
+            )
+    return ImageTokenizerConfig.from_dict(json.loads(config_path.read_text()))
 
-    def __init__(self, config: ImageTokenizerConfig):
-        super().__init__()
-        self.config = config
-        self.encoder = Encoder(config)
-        self.quant_conv = nn.Conv2d(config.latent_channels, config.embed_dim, kernel_size=1)
-        self.quantize = Quantizer(config)
-        self.post_quant_conv = nn.Conv2d(config.embed_dim, config.latent_channels, kernel_size=1)
-        self.decoder = Decoder(config)
+
+class ImageAutoencoder(nn.Module):
+    """What the VQ and the continuous tokenizer share: pixel input, fingerprint, and the bundle on disk.
+
+    Subclasses build `encoder`, `quant_conv`, the bottleneck, `post_quant_conv` and `decoder` themselves: the order
+    modules are registered in is the order of the optimizer's parameters, which checkpoints rely on.
+    """
+
+    kind: ClassVar[str]  # "vq" (codes) or "continuous" (latents): what a consumer checks before using a bundle
+    bottleneck: ClassVar[str]  # the config's `bottleneck` this class is built from
+    config: ImageTokenizerConfig
+    quant_conv: nn.Conv2d
+
+    def _check_bottleneck(self, config: ImageTokenizerConfig) -> None:
+        if config.bottleneck != self.bottleneck:
+            raise ValueError(
+                f"{type(self).__name__} needs a config with bottleneck {self.bottleneck!r}, got "
+                f"{config.bottleneck!r}; tokenizer.image.bundle.build_image_tokenizer(config) picks the class"
+            )
 
     @property
     def grid_shape(self) -> tuple[int, int]:
-        """(rows, columns) of codes for one image at `config.image_size`."""
+        """(rows, columns) of codes or latents for one image at `config.image_size`."""
         return self.config.grid_shape
+
+    @property
+    def downsample_factor(self) -> int:
+        """Pixels per code or latent position along each side."""
+        return self.config.downsample_factor
+
+    def latent_grid(self, image_size: int | tuple[int, int] | None = None) -> tuple[int, int]:
+        """(rows, columns) of the grid for a square side or (height, width); default `config.image_size`."""
+        size = self.config.image_size if image_size is None else image_size
+        height, width = (size, size) if isinstance(size, int) else size
+        f = self.downsample_factor
+        if height <= 0 or width <= 0 or height % f or width % f:
+            raise ValueError(f"image size {height}x{width} must be a positive multiple of the downsampling factor {f}")
+        return height // f, width // f
 
     @property
     def device(self) -> torch.device:
         """Device of the weights."""
         return self.quant_conv.weight.device
-
-    # ----- differentiable pieces (used in training) -----
-
-    def encode_latents(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Pre-quantisation latents (B, embed_dim, h, w) of pixels in [-1, 1]."""
-        return self.quant_conv(self.encoder(pixels))
-
-    def decode_latents(self, quantized: torch.Tensor) -> torch.Tensor:
-        """Pixels (unbounded) from quantized latents (B, embed_dim, h, w)."""
-        return self.decoder(self.post_quant_conv(quantized))
-
-    def forward(self, pixels: torch.Tensor) -> TokenizerOutput:
-        """Reconstruct pixels through the quantizer (straight-through gradients reach the encoder)."""
-        latents = self.encode_latents(pixels)
-        quantized, codes, vq_loss = self.quantize(latents)
-        return TokenizerOutput(self.decode_latents(quantized), codes, vq_loss, latents)
-
-    # ----- inference API -----
 
     def _to_pixels(self, images: Any) -> torch.Tensor:
         if isinstance(images, torch.Tensor):
@@ -98,6 +119,83 @@ class ImageTokenizer(nn.Module):
         single = isinstance(images, str | os.PathLike | bytes | Image.Image)
         sources: Sequence[ImageSource] = [images] if single else list(images)
         return load_batch(sources, self.config.image_size).pixels
+
+    to_pil = staticmethod(to_pil)
+
+    def fingerprint(self) -> str:
+        """SHA-256 (first 16 hex digits) over the config and every weight and buffer (codebook, latent scale)."""
+        digest = hashlib.sha256(self.config.to_json().encode())
+        for name, tensor in sorted(self.state_dict().items()):
+            digest.update(name.encode())
+            digest.update(str(tensor.dtype).encode())
+            digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return digest.hexdigest()[:16]
+
+    # ----- persistence -----
+
+    def save_pretrained(self, directory: str | os.PathLike) -> Path:
+        """Write config.json + model.safetensors into `directory` (each atomically)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
+        with atomic_path(directory / WEIGHTS_NAME) as tmp:
+            save_file(state, str(tmp), metadata={"format": "pt", "fingerprint": self.fingerprint()})
+        atomic_write_text(directory / CONFIG_NAME, self.config.to_json() + "\n")
+        return directory
+
+    @classmethod
+    def from_pretrained(
+        cls: type[_Bundle], directory: str | os.PathLike, map_location: str | torch.device = "cpu"
+    ) -> _Bundle:
+        """Load a bundle written by `save_pretrained` (in eval mode); refuses a bundle of the other kind in one
+        sentence (`tokenizer.image.load_image_tokenizer` loads either)."""
+        config = read_bundle_config(directory)
+        kind = KIND_OF_BOTTLENECK[config.bottleneck]
+        if kind != cls.kind:
+            raise ValueError(
+                f"{directory} is a {kind} image tokenizer bundle ({_WHAT_KIND_HOLDS[kind]}, bottleneck "
+                f"{config.bottleneck!r}) but a {cls.kind} one ({_WHAT_KIND_HOLDS[cls.kind]}) is needed here; pass a "
+                f"bundle trained with a {cls.kind} preset such as {_EXAMPLE_PRESET[cls.kind]}"
+            )
+        model = cls(config)
+        state = load_file(str(Path(directory) / WEIGHTS_NAME), device=str(map_location))
+        model.load_state_dict(state, strict=True)
+        return model.to(map_location).eval()
+
+
+class ImageTokenizer(ImageAutoencoder):
+    """Chameleon-layout VQGAN: encoder -> quant_conv -> quantize -> post_quant_conv -> decoder."""
+
+    kind: ClassVar[str] = "vq"
+    bottleneck: ClassVar[str] = "vq"
+
+    def __init__(self, config: ImageTokenizerConfig):
+        super().__init__()
+        self._check_bottleneck(config)
+        self.config = config
+        self.encoder = Encoder(config)
+        self.quant_conv = nn.Conv2d(config.latent_channels, config.embed_dim, kernel_size=1)
+        self.quantize = Quantizer(config)
+        self.post_quant_conv = nn.Conv2d(config.embed_dim, config.latent_channels, kernel_size=1)
+        self.decoder = Decoder(config)
+
+    # ----- differentiable pieces (used in training) -----
+
+    def encode_latents(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Pre-quantisation latents (B, embed_dim, h, w) of pixels in [-1, 1]."""
+        return self.quant_conv(self.encoder(pixels))
+
+    def decode_latents(self, quantized: torch.Tensor) -> torch.Tensor:
+        """Pixels (unbounded) from quantized latents (B, embed_dim, h, w)."""
+        return self.decoder(self.post_quant_conv(quantized))
+
+    def forward(self, pixels: torch.Tensor) -> TokenizerOutput:
+        """Reconstruct pixels through the quantizer (straight-through gradients reach the encoder)."""
+        latents = self.encode_latents(pixels)
+        quantized, codes, vq_loss = self.quantize(latents)
+        return TokenizerOutput(self.decode_latents(quantized), codes, vq_loss, latents)
+
+    # ----- inference API -----
 
     @torch.no_grad()
     def encode(self, images: Any, batch_size: int = 32) -> torch.LongTensor:
@@ -155,48 +253,6 @@ class ImageTokenizer(nn.Module):
             if chunks
             else latents.new_empty(0, 3, *[s * self.config.downsample_factor for s in codes.shape[1:]])
         )
-
-    to_pil = staticmethod(to_pil)
-
-    def fingerprint(self) -> str:
-        """SHA-256 (first 16 hex digits) over the config and every weight and codebook tensor."""
-        digest = hashlib.sha256(self.config.to_json().encode())
-        for name, tensor in sorted(self.state_dict().items()):
-            digest.update(name.encode())
-            digest.update(str(tensor.dtype).encode())
-            digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        return digest.hexdigest()[:16]
-
-    # ----- persistence -----
-
-    def save_pretrained(self, directory: str | os.PathLike) -> Path:
-        """Write config.json + model.safetensors into `directory` (each atomically)."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
-        with atomic_path(directory / WEIGHTS_NAME) as tmp:
-            save_file(state, str(tmp), metadata={"format": "pt", "fingerprint": self.fingerprint()})
-        atomic_write_text(directory / CONFIG_NAME, self.config.to_json() + "\n")
-        return directory
-
-    @classmethod
-    def from_pretrained(
-        cls, directory: str | os.PathLike, map_location: str | torch.device = "cpu"
-    ) -> ImageTokenizer:
-        """Load a bundle written by `save_pretrained` (in eval mode)."""
-        directory = Path(directory)
-        config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
-        for path in (config_path, weights_path):
-            if not path.is_file():
-                raise FileNotFoundError(
-                    f"{path} is missing: an image tokenizer bundle needs {CONFIG_NAME} and "
-                    f"{WEIGHTS_NAME} (write one with save_pretrained or `train.py tokenizer export`)"
-                )
-        config = ImageTokenizerConfig.from_dict(json.loads(config_path.read_text()))
-        model = cls(config)
-        state = load_file(str(weights_path), device=str(map_location))
-        model.load_state_dict(state, strict=True)
-        return model.to(map_location).eval()
 
     @classmethod
     def from_transformers(cls, vqvae: nn.Module, **overrides: Any) -> ImageTokenizer:

@@ -1,5 +1,6 @@
 """Tokenizer training losses: L1/L2 reconstruction, an LPIPS-style perceptual loss from a local VGG16 weights
-file (never downloaded), and a PatchGAN discriminator with hinge loss, a start step and VQGAN's adaptive weight."""
+file (never downloaded), a PatchGAN discriminator with hinge loss, a start step and VQGAN's adaptive weight, and the
+KL divergence of the continuous tokenizer's Gaussian from the standard normal."""
 
 from __future__ import annotations
 
@@ -27,6 +28,11 @@ def psnr(reconstruction: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     # bf16 / fp16 inputs (autocast, the demo's decoded images) would round the small errors that PSNR measures
     mse = ((reconstruction.float().clamp(-1, 1) - target.float()) ** 2).flatten(1).mean(1) / 4.0  # range 2 -> 1
     return -10.0 * torch.log10(mse.clamp_min(1e-10))
+
+
+def gaussian_kl(mean: torch.Tensor, logvar: torch.Tensor) -> torch.Tensor:
+    """KL(N(mean, exp(logvar)) || N(0, 1)) in nats per image (B,): summed over every latent element, as LDM's VAE."""
+    return 0.5 * (mean.float().pow(2) + logvar.float().exp() - 1.0 - logvar.float()).flatten(1).sum(1)
 
 
 # VGG16 `features` layers in torchvision's numbering; LPIPS reads the ReLU outputs after these convs.
