@@ -7,7 +7,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from tokenizer.layout import image_code_mask
+from tokenizer.layout import image_position_mask
 
 
 def positions_from_documents(
@@ -30,9 +30,11 @@ def positions_from_documents(
     return positions.clamp_min(0)
 
 
-def image_runs(input_ids: torch.Tensor, image_offset: int, image_codes: int) -> torch.Tensor:
-    """Id of the contiguous run of image tokens each token belongs to (-1 for non-image tokens)."""
-    is_image = image_code_mask(input_ids, image_offset, image_codes)
+def image_runs(input_ids: torch.Tensor, image_offset: int | None, image_codes: int | None,
+               placeholder_id: int | None = None) -> torch.Tensor:
+    """Id of the contiguous run of image tokens each token belongs to (-1 for non-image tokens); image tokens are
+    image codes and, when given, the continuous-image placeholder id (`tokenizer.layout.image_position_mask`)."""
+    is_image = image_position_mask(input_ids, image_offset, image_codes, placeholder_id)
     starts = is_image.clone()
     starts[:, 1:] &= ~is_image[:, :-1]
     return torch.where(is_image, starts.long().cumsum(dim=1), torch.full_like(input_ids, -1))
@@ -45,6 +47,7 @@ def build_mask(
     k_index: torch.Tensor,
     run_q: torch.Tensor | None = None,
     run_k: torch.Tensor | None = None,
+    visible_from: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Boolean mask (B, 1, Tq, Tk), True = may attend: same document and causal.
 
@@ -52,12 +55,16 @@ def build_mask(
 
     A padding query (document -1) attends to itself only, so its softmax never sees an empty row (NaN).
     With image runs given, tokens of one image run of one document also see each other (bidirectional).
+    With visible_from (B, Tq) given, each query sees no key before that key index (e.g. an image trained without
+    its caption sees only itself; every query must still see one key, such as itself).
     """
     same_doc = doc_q[:, :, None] == doc_k[:, None, :]
     q_index = q_index if q_index.dim() == 2 else q_index[None]
     allowed = same_doc & (k_index[None, None, :] <= q_index[:, :, None])
     if run_q is not None:
         allowed |= same_doc & (run_q[:, :, None] == run_k[:, None, :]) & (run_q[:, :, None] >= 0)
+    if visible_from is not None:
+        allowed &= k_index[None, None, :] >= visible_from[:, :, None]
     padding = doc_q[:, :, None] < 0
     itself = k_index[None, None, :] == q_index[:, :, None]
     allowed = torch.where(padding, itself, allowed & (doc_q[:, :, None] >= 0))
@@ -83,7 +90,8 @@ def _flex():
 
 
 def flex_block_mask(doc_q: torch.Tensor, doc_k: torch.Tensor, q_offset: int = 0,
-                    run_q: torch.Tensor | None = None, run_k: torch.Tensor | None = None):
+                    run_q: torch.Tensor | None = None, run_k: torch.Tensor | None = None,
+                    visible_from: torch.Tensor | None = None):
     """A flex-attention BlockMask with the same rule as build_mask (query i sits at key index q_offset + i)."""
     create_block_mask, _ = _flex()
 
@@ -94,6 +102,8 @@ def flex_block_mask(doc_q: torch.Tensor, doc_k: torch.Tensor, q_offset: int = 0,
         if run_q is not None:
             rq = run_q[b, qi]
             allowed = allowed | ((dq == dk) & (rq == run_k[b, ki]) & (rq >= 0))
+        if visible_from is not None:
+            allowed = allowed & (ki >= visible_from[b, qi])
         return torch.where(dq < 0, ki == qpos, allowed)
 
     batch, tq = doc_q.shape

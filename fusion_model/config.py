@@ -41,6 +41,9 @@ class FusionConfig:
     image_bidirectional: bool = False  # Transfusion-style full attention inside each image run
     image_offset: int | None = None  # image id = image_offset + code (None: no image block known)
     image_codes: int | None = None
+    # the `<image>` id standing for one continuous latent patch (Transfusion): its positions are image positions
+    # (image_bidirectional runs, block modality); None: images are codes only
+    image_placeholder_id: int | None = None
     init_std: float = 0.02
     gradient_checkpointing: bool = False  # recompute each block in backward (memory for speed)
     block: str = "dense"  # the layer class by name (fusion_model.blocks): "dense", "mot", or "package.module:Class"
@@ -62,8 +65,16 @@ class FusionConfig:
             )
         if (self.image_offset is None) != (self.image_codes is None):
             raise ValueError("FusionConfig: set both image_offset and image_codes, or neither")
-        if self.image_bidirectional and self.image_offset is None:
-            raise ValueError("FusionConfig: image_bidirectional=True needs image_offset and image_codes")
+        if self.image_bidirectional and self.image_offset is None and self.image_placeholder_id is None:
+            raise ValueError("FusionConfig: image_bidirectional=True needs image_offset and image_codes (or "
+                             "image_placeholder_id)")
+        if self.image_placeholder_id is not None and self.image_placeholder_id >= self.vocab_size:
+            raise ValueError(f"FusionConfig: image_placeholder_id {self.image_placeholder_id} is not below "
+                             f"vocab_size {self.vocab_size}")
+        if self.image_placeholder_id is not None and self.image_offset is not None and \
+                self.image_offset <= self.image_placeholder_id < self.image_offset + self.image_codes:
+            raise ValueError(f"FusionConfig: image_placeholder_id {self.image_placeholder_id} is an image code "
+                             f"(block [{self.image_offset}, {self.image_offset + self.image_codes}))")
         if self.image_offset is not None and self.image_offset + self.image_codes > self.vocab_size:
             raise ValueError(
                 f"FusionConfig: image block [{self.image_offset}, {self.image_offset + self.image_codes}) "
@@ -91,8 +102,10 @@ class FusionConfig:
             value = getattr(self, name)
             if value is not None and (not is_int(value) or value <= 0):
                 fail(name, "it must be a positive integer or null")
-        if self.image_offset is not None and (not is_int(self.image_offset) or self.image_offset < 0):
-            fail("image_offset", "it must be an integer >= 0 or null")
+        for name in ("image_offset", "image_placeholder_id"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 0):
+                fail(name, "it must be an integer >= 0 or null")
         for name in ("rope_theta", "norm_eps", "init_std"):
             if not is_real(getattr(self, name)) or getattr(self, name) <= 0:
                 fail(name, "it must be a finite number > 0")

@@ -14,7 +14,7 @@ from fusion_model import roles
 from fusion_model.blocks import block_class
 from fusion_model.config import FusionConfig
 from fusion_model.loss import fusion_loss_from_hidden
-from tokenizer.layout import image_code_mask
+from tokenizer.layout import image_position_mask
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -176,10 +176,11 @@ class AttentionContext:
 def modality_groups(input_ids: torch.Tensor, config: FusionConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat indices into (B * T) of the text tokens and of the image tokens.
 
-    Image = an image-code id (the one image-position rule, `tokenizer.layout.image_code_mask`); everything else,
-    text specials and <boi>/<eoi> included, is text.
+    Image = an image-code id or the config's continuous-image placeholder id (the one image-position rule,
+    `tokenizer.layout.image_position_mask`); everything else, text specials and <boi>/<eoi> included, is text.
     """
-    is_image = image_code_mask(input_ids, config.image_offset, config.image_codes).reshape(-1)
+    is_image = image_position_mask(input_ids, config.image_offset, config.image_codes,
+                                   config.image_placeholder_id).reshape(-1)
     return (~is_image).nonzero().squeeze(1), is_image.nonzero().squeeze(1)
 
 
@@ -394,23 +395,24 @@ class FusionModel(nn.Module):
                 module.reset_parameters()
 
     # ---- attention bookkeeping ------------------------------------------------------------------
-    def _backend(self, device: torch.device, cached: bool) -> str:
+    def _backend(self, device: torch.device, cached: bool, limited: bool = False) -> str:
         backend = self.config.attention_backend
         if backend == "auto":
             backend = "flex" if device.type == "cuda" and not cached else "sdpa"
-        if backend == "xformers" and (cached or self.config.image_bidirectional):
-            raise ValueError("attention_backend='xformers' supports neither a KV cache nor image_bidirectional; "
-                             "use 'sdpa' or 'flex'")
+        if backend == "xformers" and (cached or self.config.image_bidirectional or limited):
+            raise ValueError("attention_backend='xformers' supports neither a KV cache, image_bidirectional nor "
+                             "visible_from; use 'sdpa' or 'flex'")
         return backend
 
     def _image_runs(self, input_ids: torch.Tensor) -> torch.Tensor | None:
         if not self.config.image_bidirectional:
             return None
-        return attn_lib.image_runs(input_ids, self.config.image_offset, self.config.image_codes)
+        return attn_lib.image_runs(input_ids, self.config.image_offset, self.config.image_codes,
+                                   self.config.image_placeholder_id)
 
     def attention_context(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None,
-                          position_ids: torch.Tensor | None, kv_cache: KVCache | None
-                          ) -> tuple[AttentionContext, torch.Tensor]:
+                          position_ids: torch.Tensor | None, kv_cache: KVCache | None,
+                          visible_from: torch.Tensor | None = None) -> tuple[AttentionContext, torch.Tensor]:
         """What every block of one forward reads: (the AttentionContext: backend, mask, cache; the position ids).
 
         Resolves the defaults forward_hidden documents (document ids: one document per row; positions: restarted
@@ -432,7 +434,7 @@ class FusionModel(nn.Module):
                 position_ids = attn_lib.positions_from_documents(document_ids)
             else:
                 position_ids = torch.arange(length, device=device).expand(batch, length)
-        backend = self._backend(device, kv_cache is not None)
+        backend = self._backend(device, kv_cache is not None, visible_from is not None)
         ctx = AttentionContext(backend=backend, cache=kv_cache, document_ids=document_ids)
         if self.uses_modality:
             ctx.modality_groups = modality_groups(input_ids, self.config)
@@ -445,27 +447,31 @@ class FusionModel(nn.Module):
             # tokens generated one at a time stay causal
             run_k = None if runs is None else torch.cat([torch.full_like(doc_k[:, :start], -1), runs], dim=1)
             q_index = torch.arange(start, end, device=device)
-            ctx.mask = attn_lib.build_mask(document_ids, doc_k, q_index, torch.arange(end, device=device), runs, run_k)
+            ctx.mask = attn_lib.build_mask(document_ids, doc_k, q_index, torch.arange(end, device=device), runs, run_k,
+                                           visible_from)
         elif backend == "flex":
-            ctx.block_mask = attn_lib.flex_block_mask(document_ids, document_ids, 0, runs, runs)
-        elif backend == "sdpa" and (explicit_docs or runs is not None) and not (
-            runs is None and device.type == "cpu" and _one_document_per_row(document_ids)
+            ctx.block_mask = attn_lib.flex_block_mask(document_ids, document_ids, 0, runs, runs, visible_from)
+        elif backend == "sdpa" and (explicit_docs or runs is not None or visible_from is not None) and not (
+            runs is None and visible_from is None and device.type == "cpu" and _one_document_per_row(document_ids)
         ):
             # (one whole document per row is plain causal attention: SDPA's is_causal kernel skips the
             # blocks above the diagonal, 1.35x faster than the same mask as a tensor at T 512 on CPU)
             index = torch.arange(length, device=device)
-            ctx.mask = attn_lib.build_mask(document_ids, document_ids, index, index, runs, runs)
+            ctx.mask = attn_lib.build_mask(document_ids, document_ids, index, index, runs, runs, visible_from)
         return ctx, position_ids
 
     # ---- forward --------------------------------------------------------------------------------
     def forward_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                        document_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None, *,
-                       inputs_embeds: torch.Tensor | None = None, before_layer=None) -> torch.Tensor:
+                       inputs_embeds: torch.Tensor | None = None, before_layer=None,
+                       visible_from: torch.Tensor | None = None) -> torch.Tensor:
         """Final normed hidden states (B, T, dim); see forward for the arguments.
 
-        For connectors that feed the decoder something other than its own embeddings (late fusion):
-        `inputs_embeds` (B, T, dim) replaces the embedding lookup (input_ids still give the shape, documents and image
-        runs); `before_layer(index, x) -> x` runs before each block (e.g. a gated cross-attention layer).
+        For connectors that feed the decoder something other than its own embeddings (late fusion, Transfusion's
+        latent patches): `inputs_embeds` (B, T, dim) replaces the embedding lookup (input_ids still give the shape,
+        documents and image runs); `before_layer(index, x) -> x` runs before each block (e.g. a gated
+        cross-attention layer). `visible_from` (B, T) narrows attention: each query sees no key before that key
+        index (a cache index under kv_cache), e.g. an image trained without its caption (classifier-free guidance).
         """
         if input_ids.dim() != 2:
             raise ValueError(f"FusionModel: input_ids must be (batch, seq), got shape {tuple(input_ids.shape)}")
@@ -475,7 +481,7 @@ class FusionModel(nn.Module):
         if inputs_embeds is not None and inputs_embeds.shape != (*input_ids.shape, self.config.dim):
             raise ValueError(f"FusionModel: inputs_embeds must be {(*input_ids.shape, self.config.dim)} (input_ids' "
                              f"shape by dim), got {tuple(inputs_embeds.shape)}")
-        ctx, position_ids = self.attention_context(input_ids, document_ids, position_ids, kv_cache)
+        ctx, position_ids = self.attention_context(input_ids, document_ids, position_ids, kv_cache, visible_from)
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
         for index, block in enumerate(self.layers):

@@ -23,7 +23,8 @@ from fusion_model.config import FusionConfig
 # What every packed batch carries (data_shards.stream); a family names any further entries in `batch_keys`.
 BASE_BATCH_KEYS = ("input_ids", "document_ids", "position_ids")
 # Further entries the data module can add when a family asks for them.
-OPTIONAL_BATCH_KEYS = ("image_features", "token_keys")
+# image_latents (B, T, C*k*k) float: each continuous-image placeholder position's clean latent patch (Transfusion)
+OPTIONAL_BATCH_KEYS = ("image_features", "token_keys", "image_latents")
 
 
 @dataclass(frozen=True)
@@ -257,6 +258,11 @@ class Family(ABC):
         returns), or None when that needs the model. With gradient accumulation the loader reads an optimizer
         step's micro-batches ahead and sums these, so each term is divided by its count over the whole step."""
         return None
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs (forward + backward) per input position, what MFU counts: the decoder's
+        (`FusionConfig.flops_per_token`) unless the family runs more around it."""
+        return self.config.flops_per_token(seq_len)
 
     def set_mode(self, parts: Mapping[str, nn.Module], training: bool) -> None:
         """Train/eval mode of the parts before a forward (a frozen part stays in eval mode); the default sets every
