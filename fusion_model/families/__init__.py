@@ -18,6 +18,7 @@ BUILTIN_FAMILIES: dict[str, str] = {
     "qformer": "fusion_model.families.qformer:QFormerFamily",
     "blip2-stage1": "fusion_model.families.blip2_stage1:Blip2Stage1Family",
     "flamingo": "fusion_model.families.flamingo:FlamingoFamily",
+    "transfusion": "fusion_model.families.transfusion:TransfusionFamily",
 }
 _REGISTERED: dict[str, type[Family]] = {}
 
