@@ -143,6 +143,7 @@ def test_probe_alternates_trees_writes_plans_first_and_reports_ratios(tmp_path, 
 
 def test_the_section_shows_both_trees_the_goal_and_9_tb(tmp_path, monkeypatch, datasets):
     _fake_measurements(monkeypatch, [])
+    monkeypatch.setattr(bench_scale, "epoch_order_seconds", lambda shards: 1.0)  # 1 ms per 1,000 shards
     settings = {**SETTINGS, "base_shards": 2, "tokens_per_shard": 1_500, "repeats": 1, "big_shards": (1, 4_000)}
     payload = bench_scale.probe({"before": "before", "after": "after"}, settings, datasets[3].parent, log=False)
     write_result("scale", {**payload, "smoke": False}, tmp_path)
@@ -162,9 +163,10 @@ def test_the_section_shows_both_trees_the_goal_and_9_tb(tmp_path, monkeypatch, d
     assert "| non-padding tok/CPU s, after / before at the largest size | 0.950 |" in section
     assert "| before |" in section.split("On paper at 9 TB")[1] and "linear in tokens" in section
     assert "| after | 0.20 s | 0.10 s | 3.0 MB | as measured at 3× |" in section
-    # the manifest's cost per 1,000 shards: 0.01 s and 0.1 MB a shard -> 10 s and 100 MB per 1,000
-    assert "the manifest read costs 10000.0 ms, 10000.0 ms CPU and 100.0 MB per 1,000 shards |" in section
-    assert "| after, manifest linear in shards | 7.3 min |" in section  # 0.2 s + 10 ms x (44,000 - 6) shards
+    # the manifest's cost per 1,000 shards: 0.01 s and 0.1 MB a shard -> 10 s and 100 MB per 1,000, plus the
+    # stream's epoch order (1 ms) and its 24 bytes of arrays a shard
+    assert "the metadata read costs 10001.00 ms, 10001.00 ms CPU and 100,024 KB per 1,000 shards" in section
+    assert "| after, metadata linear in shards | 7.3 min |" in section  # 0.2 s + 10 ms x (44,000 - 6) shards
     assert "`shards plan` run first" in section and "no `shards plan` in this tree" in section
     assert "- **after**: after0000000, data_shards/ as of after1111111 data change of after;" in section
     # its headline figures are in the main table too
