@@ -9,6 +9,7 @@ import lightning as L
 
 from data_shards.plan import read_index
 from data_shards.stream import DEFAULT_SHUFFLE_WINDOW, PackedTokenStream, make_dataloader
+from data_shards.token_shards import LATENT_KIND
 from tokenizer.compat import check_compatible
 
 
@@ -23,6 +24,21 @@ def _manifest(directory: str, role: str) -> dict:
             f"run `train.py shards tokenize --out {path} ...` first or fix --data.{role}_dir"
         )
     return read_index(path).header
+
+
+def _check_image_kind(directory: str, manifest: dict, batch_keys: tuple[str, ...]) -> None:
+    """Refuse shards whose images are of the other kind than the model reads: continuous latents for a model of
+    image codes, or codes for a model of latents (Transfusion)."""
+    latent = manifest.get("feature_kind") == LATENT_KIND
+    if latent and "image_latents" not in batch_keys:
+        raise ValueError(f"{directory} holds continuous image latents (tokenized with a continuous image tokenizer, "
+                         "Transfusion's): this model reads image codes; train these shards with --model.family "
+                         "transfusion, or tokenize the images with a VQ image tokenizer into a fresh directory")
+    if "image_latents" in batch_keys and not latent:
+        raise ValueError(f"{directory} holds {'image codes' if manifest.get('images') else 'no images'}, not "
+                         "continuous latents: a transfusion model reads latents; tokenize with a continuous image "
+                         "tokenizer (`train.py tokenizer fit --config configs/tokenizer/kl-demo-64.yaml`, then "
+                         "`shards tokenize --image-tokenizer` its bundle) into a fresh directory")
 
 
 class FusionDataModule(L.LightningDataModule):
@@ -57,15 +73,21 @@ class FusionDataModule(L.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         """Start-up validation against the model (runs on every rank before the first batch)."""
-        config = self.trainer.lightning_module.model_config if self.trainer is not None else None
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        config = getattr(module, "model_config", None)
         if config is not None and config is not self._checked:
-            self.check(config)
+            self.check(config, tuple(getattr(module, "batch_keys", ())))
 
-    def check(self, config) -> None:
-        """Refuse shards, vocabulary or image tokenizer that do not fit the model config (FusionConfig); `fit`
-        calls this before the trainer starts, so a refused start leaves no log or checkpoint folders."""
+    def check(self, config, batch_keys: tuple[str, ...] | None = None) -> None:
+        """Refuse shards, vocabulary or image tokenizer that do not fit the model config (FusionConfig) or what the
+        model reads (`batch_keys`: continuous latents or image codes); `fit` calls this before the trainer starts,
+        so a refused start leaves no log or checkpoint folders."""
         train_manifest = _manifest(self.train_dir, "train")
         val_manifest = _manifest(self.val_dir, "val") if self.val_dir else None
+        if batch_keys is not None:
+            for directory, manifest in ((self.train_dir, train_manifest), (self.val_dir, val_manifest)):
+                if manifest is not None:
+                    _check_image_kind(directory, manifest, batch_keys)
         vocab = fingerprint = None
         if self.vocab:
             from tokenizer.vocab import UnifiedVocab
@@ -92,10 +114,12 @@ class FusionDataModule(L.LightningDataModule):
         features = self.image_features
         if features is None:
             features = "image_features" in wanted
+        latents = "image_latents" in wanted
         window = self.trainer.accumulate_grad_batches if training and self.trainer is not None else 1
         # accumulate: an optimizer step reads the rows of one batch of batch_size x window, whatever the split
         stream = PackedTokenStream(directory, self.seq_len, self.batch_size, seed=self.seed, rank=rank,
-                                   world_size=world, shuffle=shuffle, image_features=features,
+                                   world_size=world, shuffle=shuffle, image_features=features and not latents,
+                                   image_latents=latents,
                                    token_keys="token_keys" in wanted, accumulate=window,
                                    shuffle_window=self.shuffle_window)
         # training: a damaged shard reaches the step as a flagged batch, which stops every rank at that step

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from data_shards.raw import ShardError
-from data_shards.token_shards import MANIFEST, TokenShard, read_manifest
+from data_shards.token_shards import MANIFEST, TokenShard, latent_placeholder, read_manifest
 from tokenizer.files import atomic_open, atomic_write_json
 
 INDEX_FORMAT = "early-fusion-dataset-index/1"
@@ -80,19 +80,62 @@ class ShardRows:
         return len(self.row_ptr) - 1
 
 
-def shard_rows(offsets: np.ndarray, seq_len: int) -> ShardRows:
-    """Cut a shard's documents (its offsets) into pieces of at most seq_len tokens and pack them into rows."""
+def shard_rows(offsets: np.ndarray, seq_len: int, no_cut: np.ndarray | None = None) -> ShardRows:
+    """Cut a shard's documents (its offsets) into pieces of at most seq_len tokens and pack them into rows.
+
+    `no_cut` (bool per id of the shard, from `whole_images`): positions a piece may not start at, so that a
+    continuous image stays in one row; a document is then cut at the start of the image that would be split.
+    """
     starts, lengths = offsets[:-1], np.diff(offsets)
     keep = lengths > 0
     starts, lengths = starts[keep], lengths[keep]
-    pieces = -(-lengths // seq_len)
-    piece_doc = np.repeat(np.arange(len(lengths)), pieces)
-    first = np.cumsum(pieces) - pieces
-    within = np.arange(len(piece_doc)) - np.repeat(first, pieces)
-    piece_start = (starts[piece_doc] + within * seq_len).astype(np.int64)
-    piece_len = np.minimum(seq_len, lengths[piece_doc] - within * seq_len).astype(np.int64)
+    if no_cut is None or not (lengths > seq_len).any():
+        pieces = -(-lengths // seq_len)
+        piece_doc = np.repeat(np.arange(len(lengths)), pieces)
+        first = np.cumsum(pieces) - pieces
+        within = np.arange(len(piece_doc)) - np.repeat(first, pieces)
+        piece_start = (starts[piece_doc] + within * seq_len).astype(np.int64)
+        piece_len = np.minimum(seq_len, lengths[piece_doc] - within * seq_len).astype(np.int64)
+    else:
+        piece_start, piece_len = _cut_around(starts, lengths, seq_len, no_cut)
     row_ptr, row_pieces = pack_rows(piece_len, seq_len)
     return ShardRows(piece_start, piece_len, row_ptr, row_pieces)
+
+
+def _cut_around(starts: np.ndarray, lengths: np.ndarray, seq_len: int, no_cut: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """Pieces of at most seq_len tokens, each cut moved back to the nearest position not in `no_cut`."""
+    piece_start: list[int] = []
+    piece_len: list[int] = []
+    for start, length in zip(starts.tolist(), lengths.tolist()):
+        end = start + length
+        while end - start > seq_len:
+            cut = start + seq_len
+            while no_cut[cut] and cut > start:
+                cut -= 1
+            if cut == start:
+                raise ShardError(f"a continuous image at id {start} of its shard is longer than seq_len {seq_len} "
+                                 "with its markers: train with a longer --data.seq_len, or tokenize with a larger "
+                                 "--patch-size (fewer positions per image)")
+            piece_start.append(start)
+            piece_len.append(cut - start)
+            start = cut
+        piece_start.append(start)
+        piece_len.append(end - start)
+    return np.asarray(piece_start, dtype=np.int64), np.asarray(piece_len, dtype=np.int64)
+
+
+def whole_images(ids: np.ndarray, header: dict) -> np.ndarray | None:
+    """For shards of continuous images (`feature_kind` "latent"): the positions no row may start at (each
+    `<image>` placeholder, and an `<eoi>` right after one), so `<boi>`, the patches and `<eoi>` share a row; None
+    for other shards, whose cuts stay every seq_len ids (codes of an image may sit in two rows there)."""
+    placeholder = latent_placeholder(header)
+    if placeholder is None:
+        return None
+    is_patch = np.asarray(ids) == placeholder
+    no_cut = is_patch.copy()
+    no_cut[1:] |= (np.asarray(ids[1:]) == int(header["eoi_id"])) & is_patch[:-1]
+    return no_cut
 
 
 def manifest_digest(token_dir: str | Path) -> str:
@@ -240,24 +283,27 @@ def read_index(token_dir: str | Path) -> DatasetIndex:
                             ShardNames(None, _encode_names(manifest)), manifest_digest(token_dir))
 
 
-def _count_rows(token_dir: str, names: list[str], vocab_size: int, seq_len: int) -> list[int]:
+def _count_rows(token_dir: str, names: list[str], header: dict, seq_len: int) -> list[int]:
     """Row counts of some shards (one task of a plan's process pool)."""
-    return [shard_rows(TokenShard(token_dir, name, vocab_size, verify=False).offsets, seq_len).num_rows
-            for name in names]
+    counts = []
+    for name in names:
+        shard = TokenShard(token_dir, name, int(header["vocab_size"]), verify=False)
+        counts.append(shard_rows(shard.offsets, seq_len, whole_images(shard.ids, header)).num_rows)
+    return counts
 
 
 def compute_row_counts(token_dir: str | Path, index: DatasetIndex, seq_len: int, workers: int = 1) -> list[int]:
     """Every shard's row count at seq_len, from its offsets (structure checked, files not hashed); `workers`
     processes share the shards (packing is pure Python: about 0.8 s of CPU per million documents)."""
-    names, vocab_size = list(index.names), int(index.header["vocab_size"])
+    names = list(index.names)
     if workers <= 1 or len(names) < 2:
-        return _count_rows(str(token_dir), names, vocab_size, seq_len)
+        return _count_rows(str(token_dir), names, index.header, seq_len)
     # forkserver/spawn, never fork: the caller may have started threads (torch, a stream's checker)
     method = "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
     step = max(1, -(-len(names) // (workers * 8)))  # a few tasks per worker: uneven shards even out
     chunks = [names[i : i + step] for i in range(0, len(names), step)]
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method)) as pool:
-        parts = pool.map(_count_rows, [str(token_dir)] * len(chunks), chunks, [vocab_size] * len(chunks),
+        parts = pool.map(_count_rows, [str(token_dir)] * len(chunks), chunks, [index.header] * len(chunks),
                          [seq_len] * len(chunks))
         return [count for part in parts for count in part]
 

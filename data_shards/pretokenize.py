@@ -23,6 +23,7 @@ from tqdm import tqdm
 from data_shards.raw import MANIFEST as RAW_MANIFEST
 from data_shards.raw import ShardError, iter_raw_shard, read_raw_manifest
 from data_shards.token_shards import (
+    LATENT_KIND,
     FeatureWriter,
     manifest_entry,
     rank_subset,
@@ -33,12 +34,14 @@ from data_shards.token_shards import (
 )
 from tokenizer.files import atomic_write_json
 from tokenizer.image.preprocess import ImageLoadError, open_image
+from tokenizer.layout import patchify
+from tokenizer.vocab import LatentImage
 
 # Settings that change what a shard holds; a finished shard is reused only if they all match.
 _REUSE_FIELDS = ("vocab_fingerprint", "image_tokenizer_fingerprint", "vocab_size", "flip_probability", "seed",
-                 "features")
+                 "features", "patch_size")
 # What shards written before a field existed hold for it.
-_REUSE_DEFAULTS = {"features": False}
+_REUSE_DEFAULTS = {"features": False, "patch_size": None}
 # The device and dtype that computed a shard's image codes (and features): other hardware or precision can round a
 # latent to another code, so a shard made otherwise is tokenized again rather than mixed with this run's.
 ENCODER_FIELDS = ("encoder_device", "encoder_dtype")
@@ -58,6 +61,16 @@ def encoder_key(image_tokenizer) -> dict[str, str]:
     if isinstance(image_tokenizer, torch.nn.Module):
         dtype = next(image_tokenizer.parameters(), torch.empty(0)).dtype
     return {"encoder_device": where, "encoder_dtype": str(dtype).removeprefix("torch.")}
+
+
+def is_continuous(image_tokenizer) -> bool:
+    """Whether the image tokenizer gives continuous latents (`kind` "continuous") rather than codes."""
+    return getattr(image_tokenizer, "kind", "vq") == "continuous"
+
+
+def latent_dim(image_tokenizer, patch_size: int) -> int:
+    """Values per latent patch: channels x patch_size x patch_size."""
+    return int(image_tokenizer.latent_channels) * patch_size * patch_size
 
 
 def _made_by(meta: dict) -> tuple[str, str]:
@@ -112,13 +125,15 @@ def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: 
     pending: list[tuple[str, list]] = []
     images_done = 0
     with_features = bool(info.get("features"))
+    patch_size = info.get("patch_size")  # set for a continuous image tokenizer: its latents are cut into patches
     # on a GPU one encoder call per batch (the tokenizer's own default splits into 32s); on the CPU the calls stay
     # as they were, so shards from before the device was recorded keep the codes a rerun would compute
     whole_batch = str(info.get("encoder_device", "")).startswith("cuda")
     with ExitStack() as stack:
         # per image (h*w, C) float16 rows, in the order the images appear in the ids
-        writer = (stack.enter_context(FeatureWriter(out_dir, name, image_tokenizer.config.embed_dim))
-                  if with_features else None)
+        dim = (latent_dim(image_tokenizer, patch_size) if patch_size else
+               image_tokenizer.config.embed_dim if with_features else 0)
+        writer = stack.enter_context(FeatureWriter(out_dir, name, dim)) if with_features else None
 
         def flush() -> None:
             nonlocal images_done
@@ -130,7 +145,11 @@ def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: 
                 sizes = {"batch_size": len(chunk)} if whole_batch else {}
                 with torch.inference_mode():
                     # plain `encode` without features: an image tokenizer then needs only encode/grid_shape/fingerprint
-                    if with_features:
+                    if patch_size:  # continuous: the latents are the image; each becomes its patches' rows
+                        latents = image_tokenizer.encode(chunk, **sizes).float().cpu()
+                        image_features.extend(torch.from_numpy(patchify(latents.numpy(), patch_size)))
+                        codes = torch.full((len(chunk),), latents.shape[2] * latents.shape[3] // patch_size**2)
+                    elif with_features:
                         codes, feats = image_tokenizer.encode_with_features(chunk, **sizes)
                         image_features.extend(feats.float().cpu())
                     else:
@@ -139,10 +158,18 @@ def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: 
             grid_iter, feature_iter = iter(grids), iter(image_features)
             for key, segments in pending:
                 segments = [next(grid_iter) if isinstance(s, Image.Image) else s for s in segments]
+                if patch_size:  # an image is its count of patches: `<boi>`, that many `<image>`, `<eoi>`
+                    segments = [s if isinstance(s, str) else LatentImage(int(s)) for s in segments]
                 if writer is not None:
                     for segment in segments:
                         if not isinstance(segment, str):
-                            writer.write(next(feature_iter).numpy())
+                            rows = next(feature_iter).numpy()
+                            # float16 as stored: a latent past its range becomes infinite there
+                            if not np.isfinite(rows.astype(np.float16)).all():
+                                raise ShardError(f"shard {raw_path.name}, key {key!r}: the image tokenizer gave "
+                                                 "NaN or infinite latents (or features beyond float16) for its image; "
+                                                 "check the image and the tokenizer bundle")
+                            writer.write(rows)
                 try:
                     ids = vocab.encode_document(segments, bos=True, eos=True)
                 except (ValueError, IndexError) as err:
@@ -280,6 +307,7 @@ def pretokenize(
     features: bool = False,
     rank: int = 0,
     world_size: int = 1,
+    patch_size: int | None = None,
 ) -> dict:
     """Turn every raw shard of `raw_dir` into a token shard in `out_dir`; returns the written manifest.
     `progress`: samples done, samples/s and ETA on stderr (`TokenizeProgress`).
@@ -291,6 +319,11 @@ def pretokenize(
     `image_tokenizer` may be None for text-only data; it encodes on its own device (fp32 math there: no TF32).
     `features`: also store each image's pre-quantisation features (float16, one row per image-code position,
     `NAME.features.npy`, written in chunks), which late-fusion connectors read.
+    A continuous image tokenizer (`kind` "continuous", Transfusion's) stores each image as its latents instead:
+    `<boi>`, one `<image>` placeholder per `patch_size` x `patch_size` latent patch (default 1), `<eoi>` in the
+    ids, and the patches (float16, channel-major, `tokenizer.layout.patchify`) as the feature rows of those
+    positions; the manifest records `feature_kind` "latent" and the latent grid. NaN or infinite latents are
+    refused, naming the sample.
 
     `world_size` > 1 splits the work: this process tokenizes (and hashes) only its `rank_subset` of the raw shards,
     writes their entries to `manifest.part-RANK-of-WORLD.json`, and writes the manifest (`merge_parts`, the same
@@ -299,6 +332,18 @@ def pretokenize(
     """
     if features and image_tokenizer is None:
         raise ValueError("features=True needs the image tokenizer: its encoder computes the features")
+    continuous = is_continuous(image_tokenizer)
+    if continuous:
+        patch_size = 1 if patch_size is None else patch_size
+        grid = tuple(image_tokenizer.grid_shape)
+        if isinstance(patch_size, bool) or not isinstance(patch_size, int) or patch_size < 1 or any(
+                side % patch_size for side in grid):
+            raise ValueError(f"--patch-size {patch_size} does not divide the image tokenizer's {grid[0]}x{grid[1]} "
+                             "latent grid: choose a divisor of both sides (1 keeps one position per latent)")
+        features = True  # the latents are the images' content: there is nothing else to store
+    elif patch_size is not None:
+        raise ValueError("--patch-size cuts a continuous image tokenizer's latents into patches; this image tokenizer "
+                         f"is {'absent' if image_tokenizer is None else 'a VQ one (its codes are the positions)'}")
     if not 0.0 <= flip_probability <= 1.0:
         raise ValueError(f"flip_probability must be in [0, 1], got {flip_probability}")
     raw_dir, out_dir = Path(raw_dir), Path(out_dir)
@@ -320,6 +365,7 @@ def pretokenize(
         "flip_probability": float(flip_probability),
         "seed": int(seed),
         "features": bool(features),
+        "patch_size": patch_size,
         **made_by,
     }
     label = "tokenize" if world_size == 1 else f"tokenize rank {rank} of {world_size}"
@@ -390,8 +436,13 @@ def pretokenize(
         "boi_id": int(vocab.boi_id),
         "eoi_id": int(vocab.eoi_id),
         "image_placeholder_id": int(vocab.image_placeholder_id),
-        # per image-code position, when the shards carry the features late-fusion models read
-        "feature_dim": int(image_tokenizer.config.embed_dim) if features else None,
+        # per image-code position, when the shards carry the features late-fusion models read; per `<image>`
+        # position, a latent patch, for a continuous image tokenizer
+        "feature_dim": (latent_dim(image_tokenizer, patch_size) if continuous else
+                        int(image_tokenizer.config.embed_dim) if features else None),
+        "feature_kind": LATENT_KIND if continuous else "pre-quantisation" if features else None,
+        **({"latent": {"channels": int(image_tokenizer.latent_channels), "grid": list(image_tokenizer.grid_shape),
+                       "patch_size": patch_size}} if continuous else {}),
         "grid_shape": list(image_tokenizer.grid_shape) if image_tokenizer is not None else None,
         "flip_probability": info["flip_probability"],
         "seed": info["seed"],

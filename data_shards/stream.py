@@ -46,10 +46,10 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from data_shards.plan import ShardRows, load_row_counts, pack_rows, read_index, shard_rows
+from data_shards.plan import ShardRows, load_row_counts, pack_rows, read_index, shard_rows, whole_images
 from data_shards.raw import ShardError
-from data_shards.token_shards import TokenShard
-from tokenizer.layout import image_code_mask
+from data_shards.token_shards import LATENT_KIND, TokenShard, latent_placeholder
+from tokenizer.layout import image_position_mask
 
 __all__ = ["DATA_ERROR", "PackedTokenStream", "ResumableDataLoader", "document_causal_mask", "make_dataloader",
            "pack_rows", "with_window_denominators"]
@@ -165,7 +165,9 @@ class PackedTokenStream(IterableDataset):
     """Batches {input_ids, document_ids, position_ids} (LongTensors (B, T)) from a token shard directory.
 
     With `image_features`, batches also hold `image_features` (B, T, C) float32: each image-code position's
-    pre-quantisation feature (zeros elsewhere), from shards tokenized with `--features`. With `token_keys`, they hold
+    pre-quantisation feature (zeros elsewhere), from shards tokenized with `--features`. With `image_latents`, they
+    hold `image_latents` (B, T, C*k*k) float32: each `<image>` placeholder position's latent patch (zeros elsewhere),
+    from shards tokenized with a continuous image tokenizer (Transfusion). With `token_keys`, they hold
     `token_keys` (B, T) int64: each token's identity in the dataset, shard index x 2^40 + its offset in the shard's
     ids (-1 for padding), the same whatever the rank, row or epoch: what an objective keys its randomness by.
 
@@ -185,6 +187,7 @@ class PackedTokenStream(IterableDataset):
         shuffle: bool = True,
         check_ids: bool = True,
         image_features: bool = False,
+        image_latents: bool = False,
         token_keys: bool = False,
         shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
         verify_ahead: bool = True,
@@ -204,11 +207,18 @@ class PackedTokenStream(IterableDataset):
         # the O(shards) manifest (made and written back once when missing)
         self.index = read_index(token_dir)
         self.manifest = self.index.header  # every manifest field but the shard list
-        self.image_features = image_features
+        self.image_features, self.image_latents = image_features, image_latents
         self.token_keys = token_keys
-        if image_features and not self.manifest.get("feature_dim"):
-            raise ShardError(f"{self.token_dir} holds no image features (late-fusion models read them): re-run "
-                             "`train.py shards tokenize --features` into a fresh directory")
+        latent = self.manifest.get("feature_kind") == LATENT_KIND
+        if image_features and (latent or not self.manifest.get("feature_dim")):
+            held = "continuous images' latents, not codes" if latent else "no image features"
+            raise ShardError(f"{self.token_dir} holds {held} (late-fusion models read the features of image codes): "
+                             "re-run `train.py shards tokenize --features` with a VQ image tokenizer into a fresh "
+                             "directory")
+        if image_latents and not latent:
+            raise ShardError(f"{self.token_dir} holds no continuous image latents (Transfusion models read them): "
+                             "re-run `train.py shards tokenize` with a continuous image tokenizer (e.g. one trained "
+                             "with configs/tokenizer/kl-demo-64.yaml) into a fresh directory")
         self.seq_len, self.batch_size, self.seed, self.shuffle = seq_len, batch_size, seed, shuffle
         self.shuffle_window, self.verify_ahead = int(shuffle_window), verify_ahead
         self.rank, self.world_size = rank, world_size
@@ -373,7 +383,7 @@ class PackedTokenStream(IterableDataset):
         if shard not in self._tables:
             opened: TokenShard = self._check(shard).result()  # raises ShardError naming the file; before any row is used
             self._verified.add(shard)
-            rows = shard_rows(opened.offsets, self.seq_len)
+            rows = shard_rows(opened.offsets, self.seq_len, whole_images(opened.ids, self.manifest))
             if rows.num_rows != int(self.shard_rows[shard]):
                 raise ShardError(f"shard {opened.name} ({opened.path('.offsets.npy')}) packs into {rows.num_rows} rows "
                                  f"at seq_len {self.seq_len}, but the row plan says {int(self.shard_rows[shard])}: "
@@ -557,9 +567,10 @@ class PackedTokenStream(IterableDataset):
         position_ids = np.zeros((b, t), dtype=np.int64)
         keys = np.full((b, t), -1, dtype=np.int64) if self.token_keys else None
         features = None
-        if self.image_features:
+        if self.image_features or self.image_latents:
             features = np.zeros((b, t, int(self.manifest["feature_dim"])), dtype=np.float32)
-            image_offset, image_codes = int(self.manifest["image_offset"]), int(self.manifest["image_codes"])
+            image_offset, image_codes = self.manifest.get("image_offset"), self.manifest.get("image_codes")
+            placeholder = latent_placeholder(self.manifest)
         for i, row in enumerate(pieces):
             cursor = 0
             for doc, (index, start, length) in enumerate(row):
@@ -573,8 +584,9 @@ class PackedTokenStream(IterableDataset):
                 if keys is not None:
                     keys[i, cursor : cursor + length] = (index << 40) + start + np.arange(length)
                 if features is not None:
-                    at = np.flatnonzero(image_code_mask(chunk, image_offset, image_codes))
-                    features[i, cursor + at] = shard.image_features(start, start + length, image_offset, image_codes)
+                    at = np.flatnonzero(image_position_mask(chunk, image_offset, image_codes, placeholder))
+                    features[i, cursor + at] = shard.image_features(start, start + length, image_offset, image_codes,
+                                                                    placeholder)
                 cursor += length
         batch = {
             "input_ids": torch.from_numpy(input_ids),
@@ -582,7 +594,7 @@ class PackedTokenStream(IterableDataset):
             "position_ids": torch.from_numpy(position_ids),
         }
         if features is not None:
-            batch["image_features"] = torch.from_numpy(features)
+            batch["image_latents" if self.image_latents else "image_features"] = torch.from_numpy(features)
         if keys is not None:
             batch["token_keys"] = torch.from_numpy(keys)
         return batch

@@ -20,7 +20,7 @@ import numpy as np
 
 from data_shards.raw import ShardError
 from tokenizer.files import atomic_path, atomic_write_bytes, atomic_write_json
-from tokenizer.layout import image_code_mask
+from tokenizer.layout import image_position_mask
 
 TOKEN_FORMAT = "early-fusion-tokens/1"
 MANIFEST = "manifest.json"
@@ -39,6 +39,9 @@ MANIFEST_FIELDS = {
 LAYOUT_FIELDS = ("vocab_size", "image_offset", "image_codes", "pad_id", "bos_id", "eos_id")
 SHARD_FILES = (".ids.npy", ".offsets.npy", ".keys.json")
 FEATURES_FILE = ".features.npy"  # optional: pre-quantisation image features, one row per image-code position
+# A manifest's `feature_kind` when its features are continuous images' latent patches (one row per `<image>`
+# placeholder position, written by a continuous image tokenizer); pre-quantisation features have "pre-quantisation".
+LATENT_KIND = "latent"
 _REMEDY = "the shard is corrupt or stale: re-run `train.py shards tokenize` into a fresh directory"
 _HASH_CHUNK = 8 << 20
 # (path, size, mtime_ns) -> sha256 of files already checked in this process (inherited by forked workers).
@@ -333,8 +336,11 @@ class TokenShard:
         """Whether the shard stores image features (written by `shards tokenize --features`)."""
         return self.has_checksums and f"{self.name}{FEATURES_FILE}" in self.meta["files"]
 
-    def image_features(self, start: int, stop: int, image_offset: int, image_codes: int) -> np.ndarray:
-        """The features (n, C) float16 of the image-code positions among ids [start, stop), in order."""
+    def image_features(self, start: int, stop: int, image_offset: int | None, image_codes: int | None,
+                       placeholder_id: int | None = None) -> np.ndarray:
+        """The feature rows (n, C) float16 of the image positions among ids [start, stop), in order: image codes
+        (pre-quantisation features), or with `placeholder_id` the `<image>` positions of continuous images (their
+        latent patches)."""
         if self._features is None:
             if not self.has_features:
                 raise ShardError(f"shard {self.name} in {self.token_dir} stores no image features; re-run "
@@ -343,19 +349,37 @@ class TokenShard:
                 self._features = np.load(self.path(FEATURES_FILE), mmap_mode="r", allow_pickle=False)
             except Exception as err:  # noqa: BLE001 - a damaged .npy header surfaces as almost anything
                 raise ShardError(f"shard {self.name}: unreadable {self.path(FEATURES_FILE)} ({err}); {_REMEDY}") from err
-            is_code = image_code_mask(self.ids, image_offset, image_codes)
+            is_image = image_position_mask(self.ids, image_offset, image_codes, placeholder_id)
             # rows before each document: a piece then needs only a count within its own document
-            self._feature_start = np.concatenate([[0], np.cumsum(is_code, dtype=np.int64)])[self.offsets]
+            self._feature_start = np.concatenate([[0], np.cumsum(is_image, dtype=np.int64)])[self.offsets]
             if self._feature_start[-1] != len(self._features):
                 raise ShardError(f"shard {self.name}: {len(self._features)} feature rows in "
-                                 f"{self.path(FEATURES_FILE)} for {int(self._feature_start[-1])} image-code positions; "
+                                 f"{self.path(FEATURES_FILE)} for {int(self._feature_start[-1])} "
+                                 f"{'image-code' if placeholder_id is None else '<image> placeholder'} positions; "
                                  f"{_REMEDY}")
         document = int(np.searchsorted(self.offsets, start, side="right") - 1)
         doc_start = int(self.offsets[document])
         ids = self.ids[doc_start:stop]
-        is_code = image_code_mask(ids, image_offset, image_codes)
-        first = int(self._feature_start[document]) + int(is_code[: start - doc_start].sum())
-        return self._features[first : first + int(is_code[start - doc_start :].sum())]
+        is_image = image_position_mask(ids, image_offset, image_codes, placeholder_id)
+        first = int(self._feature_start[document]) + int(is_image[: start - doc_start].sum())
+        return self._features[first : first + int(is_image[start - doc_start :].sum())]
+
+    def check_features_finite(self, image_offset: int | None, image_codes: int | None,
+                              placeholder_id: int | None = None) -> None:
+        """Raise ShardError naming the sample whose stored features (or latents) hold a NaN or an infinity."""
+        if not self.has_features:
+            return
+        self.image_features(0, 0, image_offset, image_codes, placeholder_id)  # maps the file, counts rows per document
+        features = self._features
+        step = max(1, _HASH_CHUNK // (2 * max(1, features.shape[1])))  # about 8 MB of float16 at a time
+        for first in range(0, len(features), step):
+            chunk = np.asarray(features[first : first + step])
+            bad = np.flatnonzero(~np.isfinite(chunk).all(axis=1))
+            if bad.size:
+                row = first + int(bad[0])
+                document = int(np.searchsorted(self._feature_start, row, side="right") - 1)
+                raise ShardError(f"shard {self.name}, key {self.keys[document]!r}: its image features hold a NaN or "
+                                 f"an infinity (row {row} of {self.path(FEATURES_FILE)}); {_REMEDY}")
 
     def __len__(self) -> int:
         """Documents in the shard."""
@@ -392,8 +416,9 @@ class TokenShard:
                              "`train.py shards tokenize` into a fresh directory")
 
 
-def verify_shard(token_dir: str | Path, entry: dict, vocab_size: int) -> None:
-    """Check one shard fully (checksums, structure, every id < vocab_size, counts = meta = manifest entry)."""
+def verify_shard(token_dir: str | Path, entry: dict, vocab_size: int, layout: dict | None = None) -> None:
+    """Check one shard fully (checksums, structure, every id < vocab_size, counts = meta = manifest entry, and with
+    the manifest's `layout` fields every stored feature or latent finite)."""
     shard = TokenShard(token_dir, entry["name"], vocab_size)
     where = f"shard {shard.name} ({shard.path('.ids.npy')})"
     for field in ("documents", "tokens"):
@@ -403,6 +428,14 @@ def verify_shard(token_dir: str | Path, entry: dict, vocab_size: int) -> None:
     for start in range(0, len(shard.ids), _HASH_CHUNK):
         shard.check_ids(start, min(start + _HASH_CHUNK, len(shard.ids)))
     shard.keys  # noqa: B018 -- reading them checks their count
+    if layout is not None and layout.get("feature_dim"):
+        shard.check_features_finite(layout.get("image_offset"), layout.get("image_codes"), latent_placeholder(layout))
+
+
+def latent_placeholder(manifest: dict) -> int | None:
+    """The `<image>` id whose positions hold continuous latent patches, for shards of a continuous image tokenizer
+    (`feature_kind` "latent"); None for code shards, whose features sit at image-code positions."""
+    return int(manifest["image_placeholder_id"]) if manifest.get("feature_kind") == LATENT_KIND else None
 
 
 def rank_subset(names: list[str], rank: int, world_size: int) -> set[str]:
@@ -455,7 +488,7 @@ def verify_token_dir(token_dir: str | Path, rank: int = 0, world_size: int = 1) 
         if entry["name"] not in mine:
             continue
         try:
-            verify_shard(token_dir, entry, manifest["vocab_size"])
+            verify_shard(token_dir, entry, manifest["vocab_size"], manifest)
         except ShardError as err:
             problems.append((entry["name"], str(err)))
     return manifest, problems

@@ -85,6 +85,14 @@ def reserved_name(index: int) -> str:
 
 
 @dataclass(frozen=True)
+class LatentImage:
+    """A continuous image as a document segment (Transfusion): `patches` `<image>` placeholder positions between
+    `<boi>` and `<eoi>`, whose latent patches travel beside the ids."""
+
+    patches: int
+
+
+@dataclass(frozen=True)
 class Span:
     """One run of an id sequence (UnifiedVocab.spans): text, or an image from its `<boi>` to its `<eoi>`."""
 
@@ -230,13 +238,18 @@ class UnifiedVocab:
         eos: bool = True,
         grid_shape: tuple[int, int] | None = None,
     ) -> list[int]:
-        """`<s> text <boi> codes (raster order) <eoi> ... </s>` for segments that are str or 2-D code grids."""
+        """`<s> text <boi> codes (raster order) <eoi> ... </s>` for segments that are str or 2-D code grids (or
+        `LatentImage`: `<boi>`, its `<image>` placeholders, `<eoi>`)."""
         if isinstance(segments, (str, bytes)):
             raise TypeError("encode_document takes a list of segments; wrap a single text as [text]")
         ids = [self.bos_id] if bos else []
         for index, segment in enumerate(segments):
             if isinstance(segment, str):
                 ids += self.encode_text(segment)
+            elif isinstance(segment, LatentImage):
+                if segment.patches < 1:
+                    raise ValueError(f"segment {index}: a continuous image needs at least one patch")
+                ids += [self.boi_id, *[self.image_placeholder_id] * segment.patches, self.eoi_id]
             else:
                 codes = self._grid_codes(segment, index, grid_shape)
                 ids.append(self.boi_id)

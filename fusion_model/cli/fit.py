@@ -65,7 +65,7 @@ class FusionCLI(LightningCLI):
     def before_fit(self) -> None:
         """Check the data against the model and that checkpoints can be written, before anything is written."""
         if hasattr(self.datamodule, "check") and getattr(self.model, "model_config", None) is not None:
-            self.datamodule.check(self.model.model_config)
+            self.datamodule.check(self.model.model_config, tuple(self.model.batch_keys))
         directories = [self.trainer.default_root_dir]
         directories += [cb.dirpath for cb in self.trainer.checkpoint_callbacks if getattr(cb, "dirpath", None)]
         for directory in dict.fromkeys(str(d) for d in directories):

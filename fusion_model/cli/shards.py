@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("--features", action="store_true",
                      help="also store each image's pre-quantisation features from the image tokenizer's encoder "
                           "(float16, embed_dim per code position): what late-fusion models (model.late_fusion) read")
+    tok.add_argument("--patch-size", type=int, default=None,
+                     help="with a continuous image tokenizer (Transfusion's; e.g. trained with "
+                          "configs/tokenizer/kl-demo-64.yaml): latents per side of one patch, i.e. one `<image>` "
+                          "position per patch; must divide the latent grid (default 1). Refused for a VQ tokenizer")
     tok.add_argument("--no-progress", action="store_true", help="print no progress (by default: a bar on a terminal, "
                      "otherwise a plain line at most every 30 s with samples/s and ETA)")
     _add_split(tok, "tokenizes (and hashes) every world-size-th raw shard; the last rank to finish writes the manifest")
@@ -190,7 +194,8 @@ def _tokenize(args: argparse.Namespace) -> int:
         image_tokenizer = ImageTokenizer.from_pretrained(args.image_tokenizer, map_location=device).eval()
     manifest = pretokenize(args.raw, args.out, vocab, image_tokenizer, flip_probability=args.flip_probability,
                            seed=args.seed, num_workers=workers, batch_size=args.batch_size,
-                           progress=not args.no_progress, features=args.features, rank=rank, world_size=world_size)
+                           progress=not args.no_progress, features=args.features, rank=rank, world_size=world_size,
+                           patch_size=args.patch_size)
     if manifest["format"] == PART_FORMAT:
         shards = manifest["shards"]
         print(f"rank {rank} of {world_size}: {len(shards)} token shards ({sum(s['entry']['documents'] for s in shards)} "

@@ -265,7 +265,7 @@ def test_verify_split_across_two_ranks_checks_every_shard_once(tmp_path, tok, mo
     tok.make_token_dir(tmp_path, tok.make_documents(20), per_shard=4)  # 5 shards
     checked: list[str] = []
     real = token_shards.verify_shard
-    monkeypatch.setattr(token_shards, "verify_shard", lambda d, entry, v: (checked.append(entry["name"]), real(d, entry, v)))
+    monkeypatch.setattr(token_shards, "verify_shard", lambda d, entry, *rest: (checked.append(entry["name"]), real(d, entry, *rest)))
     per_rank = []
     for rank in (0, 1):
         monkeypatch.setenv("RANK", str(rank))  # as torchrun runs it
