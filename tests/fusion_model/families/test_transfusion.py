@@ -577,3 +577,20 @@ def test_two_steps_through_the_lightning_module_accumulate_exactly():
     # micro-batch, moves the weights by far more
     for name, weight in expected.items():
         torch.testing.assert_close(got[name], weight, rtol=0, atol=1e-5, msg=name)
+
+
+def test_a_checkpoint_loads_back_as_the_family_with_its_decoder_config_and_weights(tmp_path):
+    from fusion_model.families.loading import load_family
+
+    module = module_for_fit()
+    torch.save({"state_dict": module.state_dict(), "hyper_parameters": dict(module.hparams)}, tmp_path / "t.ckpt")
+    loaded = load_family(tmp_path / "t.ckpt")
+    assert isinstance(loaded.family, TransfusionFamily) and loaded.family.options == module.family.options
+    assert loaded.parts["model"].config == module.parts["model"].config  # placeholder id and bidirectional included
+    ids = torch.tensor([[BOS, 20, BOI, PH, PH, PH, PH]])
+    noisy = torch.randn(1, 7, D)
+    with torch.no_grad():
+        for part in module.parts.values():
+            part.eval()
+        torch.testing.assert_close(loaded.family.denoise(loaded.parts, ids, noisy, 10),
+                                   module.family.denoise(module.parts, ids, noisy, 10), rtol=0, atol=0)
