@@ -19,9 +19,10 @@ from fusion_model.flops import matmul_peak_flops, sync
 class ThroughputMonitor(L.Callback):
     """Logs `train/tokens_per_s` (all ranks) and `train/mfu` after every optimizer step.
 
-    MFU = model FLOPs per token (config.flops_per_token(seq_len), forward + backward) x tokens/s, divided by
-    `peak_flops` per device x world size. Without a configured peak it measures one with a matmul in the
-    training dtype at the start of fit (a lower bound of the datasheet peak, so the MFU is an upper bound).
+    MFU = model FLOPs per token (the family's flops_per_token(seq_len), forward + backward: the decoder's plus
+    what the family runs around it) x tokens/s, divided by `peak_flops` per device x world size. Without a
+    configured peak it measures one with a matmul in the training dtype at the start of fit (a lower bound of the
+    datasheet peak, so the MFU is an upper bound).
     """
 
     def __init__(self, peak_flops: float | None = None) -> None:
@@ -56,7 +57,8 @@ class ThroughputMonitor(L.Callback):
         self._window_start = None
         tokens_per_s = self._window_tokens * trainer.world_size / max(seconds, 1e-9)
         seq_len = batch["input_ids"].shape[1]
-        flops_per_token = pl_module.model_config.flops_per_token(seq_len)
+        # the family's count: Transfusion's patch projections and timestep MLP are FLOPs the decoder's count lacks
+        flops_per_token = pl_module.family.flops_per_token(seq_len)
         mfu = flops_per_token * tokens_per_s / (self.peak_flops * trainer.world_size)
         pl_module.log_dict({"train/tokens_per_s": tokens_per_s, "train/mfu": mfu}, on_step=True, on_epoch=False)
 

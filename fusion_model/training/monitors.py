@@ -186,7 +186,9 @@ class StabilityMonitor(L.Callback):
         if document_ids is None:
             document_ids = torch.zeros_like(input_ids)
         config = model.config
-        runs = attn_lib.image_runs(input_ids, config.image_offset, config.image_codes) if config.image_bidirectional else None
+        runs = None
+        if config.image_bidirectional:  # continuous-image placeholders are image positions too (Transfusion)
+            runs = attn_lib.image_runs(input_ids, config.image_offset, config.image_codes, config.image_placeholder_id)
         real = (document_ids >= 0)[..., None]
         width = len(str(config.n_layers - 1))
         if self._observer is None:
