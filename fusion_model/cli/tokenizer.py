@@ -37,7 +37,7 @@ def export(argv: list[str]) -> int:
     args = export_parser().parse_args(argv)
 
     from tokenizer.files import load_checkpoint_file
-    from tokenizer.image.lightning import ImageTokenizerModule
+    from tokenizer.image.lightning import ImageTokenizerModule, bundle_description
 
     checkpoint = load_checkpoint_file(args.checkpoint)
     hparams = dict(checkpoint.get("hyper_parameters") or {})
@@ -50,7 +50,7 @@ def export(argv: list[str]) -> int:
             "pass a .ckpt written by `train.py tokenizer fit`"
         ) from err
     out = module.tokenizer.save_pretrained(args.out)
-    print(f"image tokenizer bundle written to {out} (fingerprint {module.tokenizer.fingerprint()})")
+    print(f"{bundle_description(module.tokenizer)} written to {out} (fingerprint {module.tokenizer.fingerprint()})")
     return 0
 
 
@@ -61,7 +61,8 @@ def overview() -> str:
         "usage: python train.py tokenizer {fit,validate,test,predict} --config configs/tokenizer/<preset>.yaml [options]",
         "       " + EXPORT_HELP.removeprefix("usage: "),
         "",
-        "Train and evaluate the VQ image tokenizer (LightningCLI), or turn a checkpoint into an inference bundle.",
+        "Train and evaluate an image tokenizer (LightningCLI), or turn a checkpoint into an inference bundle:",
+        "VQ presets give integer codes (Chameleon), kl-* presets continuous latents (Transfusion).",
         f"Presets (configs/tokenizer/): {', '.join(presets)}.",
         "",
         "Options most runs change (`tokenizer fit --help` lists all, with defaults; it takes a few seconds):",

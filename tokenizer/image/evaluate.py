@@ -1,5 +1,6 @@
-"""Held-out evaluation of a trained tokenizer bundle: PSNR of reconstructions, codebook usage, perplexity.
-`python -m tokenizer.image.evaluate BUNDLE_DIR [--samples N]` prints JSON (built-in held-out photo crops)."""
+"""Held-out evaluation of a trained tokenizer bundle: PSNR of reconstructions, and codebook usage and perplexity (VQ)
+or latent statistics (continuous). `python -m tokenizer.image.evaluate BUNDLE_DIR [--samples N]` prints JSON (built-in
+held-out photo crops)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,23 @@ import json
 
 import torch
 
-from tokenizer.image.image_tokenizer import ImageTokenizer
+from tokenizer.image.bundle import AnyImageTokenizer, load_image_tokenizer
 from tokenizer.image.losses import psnr
 from tokenizer.image.quantizer import codebook_stats
 
 
 @torch.no_grad()
-def evaluate(tokenizer: ImageTokenizer, pixels: torch.Tensor, batch_size: int = 32) -> dict[str, float]:
-    """Mean PSNR (dB) of decode(encode(x)) and usage / perplexity of the codes over `pixels` (N, 3, H, W)."""
+def evaluate(tokenizer: AnyImageTokenizer, pixels: torch.Tensor, batch_size: int = 32) -> dict[str, float]:
+    """Mean PSNR (dB) of decode(encode(x)) over `pixels` (N, 3, H, W), with usage / perplexity of the codes (VQ) or
+    the mean and std of the (scaled) latents (continuous)."""
     tokenizer.eval()
-    codes = tokenizer.encode(pixels, batch_size=batch_size)
-    recon = tokenizer.decode(codes, batch_size=batch_size)
-    stats = codebook_stats(codes, tokenizer.config.codebook_size)
+    encoded = tokenizer.encode(pixels, batch_size=batch_size)
+    recon = tokenizer.decode(encoded, batch_size=batch_size)
+    if tokenizer.kind == "continuous":
+        stats = {"latent_mean": float(encoded.mean()), "latent_std": float(encoded.std()),
+                 "latent_scale": float(tokenizer.latent_scale)}
+    else:
+        stats = codebook_stats(encoded, tokenizer.config.codebook_size)
     return {"psnr_db": float(psnr(recon, pixels.to(recon)).mean()), **stats, "images": int(pixels.shape[0])}
 
 
@@ -37,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("bundle", help="directory written by save_pretrained / `train.py tokenizer export`")
     parser.add_argument("--samples", type=int, default=512)
     args = parser.parse_args(argv)
-    tokenizer = ImageTokenizer.from_pretrained(args.bundle)
+    tokenizer = load_image_tokenizer(args.bundle)
     pixels = held_out_photo_crops(tokenizer.config.image_size, args.samples)
     print(json.dumps(evaluate(tokenizer, pixels), indent=2))
     return 0

@@ -1,8 +1,10 @@
-"""Lightning training of the image tokenizer: the module (reconstruction + commitment, optional perceptual and
-PatchGAN losses; PSNR, codebook usage, perplexity, image grids) and the data module (photos, folder, shards)."""
+"""Lightning training of the image tokenizer: the module (reconstruction + commitment for VQ or + KL for the
+continuous tokenizer, optional perceptual and PatchGAN losses; PSNR, codebook usage, perplexity or latent statistics,
+image grids) and the data module (photos, folder, shards)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +14,10 @@ from torch.utils.data import DataLoader
 
 from tokenizer.files import atomic_path
 from tokenizer.image import data as image_data
+from tokenizer.image.bundle import build_image_tokenizer
 from tokenizer.image.config import ImageTokenizerConfig
-from tokenizer.image.image_tokenizer import ImageTokenizer
+from tokenizer.image.continuous import ContinuousImageTokenizer
+from tokenizer.image.image_tokenizer import ImageAutoencoder
 from tokenizer.image.losses import (
     PatchDiscriminator,
     PerceptualLoss,
@@ -27,7 +31,8 @@ from tokenizer.image.quantizer import set_codebook_sync, stats_from_counts
 
 
 class ImageTokenizerModule(L.LightningModule):
-    """Trains an `ImageTokenizer` built from a preset (plus field overrides, e.g. {"quantizer": "chameleon"})."""
+    """Trains an `ImageTokenizer` (or, for a preset with bottleneck "kl", a `ContinuousImageTokenizer`) built from a
+    preset (plus field overrides, e.g. {"quantizer": "chameleon"})."""
 
     def __init__(
         self,
@@ -47,13 +52,19 @@ class ImageTokenizerModule(L.LightningModule):
         disc_layers: int = 2,
         grad_clip: float = 1.0,
         grid_images: int = 8,
+        # continuous tokenizer only. The KL (summed over latent elements) weighs against the squared error summed
+        # over pixel values, LDM's convention (its VAEs use 1e-6): the loss adds kl_weight * KL / (3 H W)
+        kl_weight: float = 1e-6,
+        scale_images: int = 1024,  # training images latent_scale is measured on at the end of fit (0: keep the
+        # running estimate kept while training)
     ):
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = (
             False  # two optimizers (generator, discriminator) and an adaptive weight
         )
-        self.tokenizer = ImageTokenizer(ImageTokenizerConfig.from_preset(preset, **(overrides or {})))
+        self.tokenizer = build_image_tokenizer(ImageTokenizerConfig.from_preset(preset, **(overrides or {})))
+        self.continuous = isinstance(self.tokenizer, ContinuousImageTokenizer)
         self.discriminator = PatchDiscriminator(3, disc_width, disc_layers) if disc_weight > 0 else None
         # frozen and loaded from a local file: kept out of the state dict (not registered as a submodule)
         self._perceptual = [PerceptualLoss(perceptual_weights)] if perceptual_weight > 0 else []
@@ -66,7 +77,8 @@ class ImageTokenizerModule(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         """Switch on codebook synchronisation when the DDP process group exists (it does not at __init__)."""
-        set_codebook_sync(self.tokenizer.quantize)
+        if not self.continuous:
+            set_codebook_sync(self.tokenizer.quantize)
         datamodule = getattr(self.trainer, "datamodule", None) if self._trainer is not None else None
         size = getattr(datamodule, "image_size", None)
         if size is not None and size != self.tokenizer.config.image_size:
@@ -119,7 +131,13 @@ class ImageTokenizerModule(L.LightningModule):
         pixels = batch
         out = self.tokenizer(pixels)
         nll, logs = self._nll(out.reconstruction, pixels)
-        loss = nll + out.vq_loss
+        if self.continuous:
+            loss = nll + hp.kl_weight * out.kl.mean() / pixels[0].numel()
+            logs.update(self._latent_stats(out))
+            self._update_latent_scale(out.mean)
+        else:
+            loss = nll + out.vq_loss
+            logs["vq"] = out.vq_loss
         gan_on = self.discriminator is not None and int(self.steps_done) >= hp.disc_start
         if gan_on:
             g_loss = -self.discriminator(out.reconstruction).mean()
@@ -142,30 +160,98 @@ class ImageTokenizerModule(L.LightningModule):
             opt_d.step()
             logs["d_loss"] = d_loss
         self.steps_done += 1
-        logs.update(loss=loss, vq=out.vq_loss, psnr=psnr(out.reconstruction.detach(), pixels).mean())
+        logs.update(loss=loss, psnr=psnr(out.reconstruction.detach(), pixels).mean())
         self.log_dict(
             {f"train/{k}": v.detach() for k, v in logs.items()}, prog_bar=False, batch_size=len(pixels)
         )
         self.log("train/psnr_bar", logs["psnr"], prog_bar=True, logger=False, batch_size=len(pixels))
         return loss.detach()
 
+    # ----- the continuous tokenizer's latents -----
+
+    @staticmethod
+    def _latent_stats(out) -> dict[str, torch.Tensor]:
+        """KL in nats per image, the posterior means' mean and std (what latent_scale normalises), the posterior's
+        own std (how much noise the decoder learns to ignore)."""
+        mean = out.mean.detach().float()
+        return {"kl": out.kl.mean(), "latent_mean": mean.mean(), "latent_std": mean.std(),
+                "posterior_std": (0.5 * out.logvar.detach().float()).exp().mean()}
+
+    def _update_latent_scale(self, mean: torch.Tensor) -> None:
+        """Keep latent_scale = 1 / std of recent posterior means (their mean over the first 20 steps, then an EMA),
+        so that a checkpoint written mid-run exports a usable scale; `on_train_end` replaces it by a measurement."""
+        # tensor operations only: a Python-side test would wait for the GPU at every step
+        variance = mean.detach().float().var()  # NaN for a single element: then the scale stays
+        rate = (1.0 / (self.steps_done.float() + 1.0)).clamp(min=0.05)
+        scale = self.tokenizer.latent_scale
+        running = (1 - rate) * scale.float().pow(-2) + rate * variance
+        usable = torch.isfinite(running) & (running > 0)
+        scale.copy_(torch.where(usable, running.rsqrt(), scale.float()))
+
+    @torch.no_grad()
+    def measure_latent_scale(self, batches: Iterable[torch.Tensor], max_images: int) -> float | None:
+        """Set latent_scale to 1 / std of the posterior means of up to `max_images` images (summed over DDP ranks);
+        returns it, or None (unchanged) when there were none."""
+        tokenizer = self.tokenizer
+        was_training = tokenizer.training
+        tokenizer.eval()
+        moments = torch.zeros(3, dtype=torch.float64, device=self.device)  # count, sum, sum of squares
+        images = 0
+        try:
+            for batch in batches:
+                if images >= max_images:
+                    break
+                pixels = batch[: max_images - images].to(self.device, tokenizer.quant_conv.weight.dtype)
+                images += len(pixels)
+                mean = tokenizer.posterior(pixels)[0].double()
+                moments += torch.stack([mean.new_tensor(mean.numel()), mean.sum(), mean.pow(2).sum()])
+        finally:
+            tokenizer.train(was_training)
+        if self._trainer is not None:
+            moments = self.trainer.strategy.reduce(moments, reduce_op="sum")
+        count, total, squares = (float(v) for v in moments)
+        variance = (squares - total * total / count) / max(count - 1, 1) if count else 0.0
+        if variance <= 0:
+            return None
+        tokenizer.latent_scale.fill_(variance ** -0.5)
+        return float(tokenizer.latent_scale)
+
+    def on_train_end(self) -> None:
+        """Measure latent_scale with the final weights on training images (before ExportTokenizer writes the bundle,
+        which happens at fit end)."""
+        if not self.continuous or self.hparams.scale_images <= 0:
+            return
+        loader = self.trainer.train_dataloader
+        if loader is None:
+            return
+        scale = self.measure_latent_scale(loader, self.hparams.scale_images)
+        if scale is not None and self.trainer.is_global_zero:
+            print(f"latent_scale {scale:.4g} (1 / std of the posterior means of up to {self.hparams.scale_images} "
+                  "training images)")
+
     # ----- validation -----
 
     def on_validation_epoch_start(self) -> None:
         """Reset the histogram of validation codes."""
+        if self.continuous:
+            return
         self._val_counts = torch.zeros(
             self.tokenizer.config.codebook_size, dtype=torch.long, device=self.device
         )
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        """Reconstruction loss, PSNR and code histogram on held-out images."""
-        if not bool(self.tokenizer.quantize.vq._codebook.initted):
+        """Reconstruction loss, PSNR and code histogram (or latent statistics) on held-out images."""
+        if not self.continuous and not bool(self.tokenizer.quantize.vq._codebook.initted):
             return  # k-means init must see training data, not the sanity-check's validation batch
         pixels = batch
-        out = self.tokenizer(pixels)
+        out = self.tokenizer(pixels)  # eval mode: the continuous tokenizer decodes the posterior mean, as `encode`
         nll, logs = self._nll(out.reconstruction, pixels)
-        self._val_counts += torch.bincount(out.codes.flatten(), minlength=self._val_counts.numel())
         n = len(pixels)
+        if self.continuous:
+            for key, value in self._latent_stats(out).items():
+                self.log(f"val/{key}", value, sync_dist=True, batch_size=n)
+        else:
+            self._val_counts += torch.bincount(out.codes.flatten(), minlength=self._val_counts.numel())
         self.log("val/recon", logs["recon"], sync_dist=True, batch_size=n)
         self.log(
             "val/psnr", psnr(out.reconstruction, pixels).mean(), sync_dist=True, prog_bar=True, batch_size=n
@@ -311,4 +397,13 @@ class ExportTokenizer(L.Callback):
             return
         target = Path(self.dirpath or Path(trainer.log_dir or ".") / "tokenizer")
         pl_module.tokenizer.save_pretrained(target)
-        print(f"image tokenizer bundle written to {target} (fingerprint {pl_module.tokenizer.fingerprint()})")
+        print(f"{bundle_description(pl_module.tokenizer)} written to {target} "
+              f"(fingerprint {pl_module.tokenizer.fingerprint()})")
+
+
+def bundle_description(tokenizer: ImageAutoencoder) -> str:
+    """How the messages that announce a bundle name it (the continuous kind says so, with its latent scale)."""
+    if isinstance(tokenizer, ContinuousImageTokenizer):
+        return (f"continuous image tokenizer bundle ({tokenizer.latent_channels} latent channels, "
+                f"latent_scale {float(tokenizer.latent_scale):.4g})")
+    return "image tokenizer bundle"

@@ -12,7 +12,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from tokenizer.image.image_tokenizer import ImageTokenizer
+from tokenizer.image.bundle import AnyImageTokenizer
 from tokenizer.image.lightning import ImageTokenizerModule
 
 
@@ -35,8 +35,9 @@ def fit_image_tokenizer(
     val_images: torch.Tensor | None = None,
     overrides: dict[str, Any] | None = None,
     **module_kwargs: Any,
-) -> tuple[ImageTokenizer, dict[str, float]]:
-    """Train on `images` (N, 3, H, W) in [-1, 1]; returns the tokenizer (eval mode) and a summary of the run."""
+) -> tuple[AnyImageTokenizer, dict[str, float]]:
+    """Train on `images` (N, 3, H, W) in [-1, 1]; returns the tokenizer (eval mode; a ContinuousImageTokenizer for a
+    kl preset) and a summary of the run."""
     if images.dim() != 4 or images.shape[1] != 3 or not images.dtype.is_floating_point:
         raise ValueError(
             f"images must be a float tensor (N, 3, H, W) in [-1, 1], got {images.dtype} {tuple(images.shape)}"
@@ -77,4 +78,6 @@ def fit_image_tokenizer(
     trainer.fit(module, train_dataloaders=train, val_dataloaders=val)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith(("train/", "val/"))}
     info = {"steps": int(module.steps_done), **{k.replace("/", "_"): v for k, v in metrics.items()}}
+    if module.continuous:
+        info["latent_scale"] = float(module.tokenizer.latent_scale)
     return module.tokenizer.eval(), info
