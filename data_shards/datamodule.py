@@ -26,7 +26,7 @@ def _manifest(directory: str, role: str) -> dict:
     return read_index(path).header
 
 
-def _check_image_kind(directory: str, manifest: dict, batch_keys: tuple[str, ...]) -> None:
+def check_image_kind(directory: str, manifest: dict, batch_keys: tuple[str, ...]) -> None:
     """Refuse shards whose images are of the other kind than the model reads: continuous latents for a model of
     image codes, or codes for a model of latents (Transfusion)."""
     latent = manifest.get("feature_kind") == LATENT_KIND
@@ -87,16 +87,16 @@ class FusionDataModule(L.LightningDataModule):
         if batch_keys is not None:
             for directory, manifest in ((self.train_dir, train_manifest), (self.val_dir, val_manifest)):
                 if manifest is not None:
-                    _check_image_kind(directory, manifest, batch_keys)
+                    check_image_kind(directory, manifest, batch_keys)
         vocab = fingerprint = None
         if self.vocab:
             from tokenizer.vocab import UnifiedVocab
 
             vocab = UnifiedVocab.load(self.vocab)
         if self.image_tokenizer:
-            from tokenizer.image import ImageTokenizer
+            from tokenizer.image import load_image_tokenizer
 
-            fingerprint = ImageTokenizer.from_pretrained(self.image_tokenizer).fingerprint()
+            fingerprint = load_image_tokenizer(self.image_tokenizer).fingerprint()
         check_compatible(model=config, vocab=vocab, image_tokenizer_fingerprint=fingerprint, shards=train_manifest,
                          shards_dir=self.train_dir, val_shards=val_manifest, seq_len=self.seq_len, training=True)
         self._checked = config

@@ -39,6 +39,40 @@ def make_token_dir(path: Path, n_docs: int = 40, vocab_size: int = 256, seed: in
     return path
 
 
+# The latent shards' id layout inside the tiny vocabulary: pad 0, <boi> 3, <eoi> 4, <image> 6 (as a unified
+# vocabulary numbers its specials); an image is 4 patches (a 2x2 latent grid, patch size 1) of 4 channels.
+LATENT = {"boi_id": 3, "eoi_id": 4, "image_placeholder_id": 6, "channels": 4, "grid": [2, 2]}
+
+
+def make_latent_token_dir(path: Path, n_docs: int = 40, vocab_size: int = 256, seed: int = 0, shards: int = 2) -> Path:
+    """Token shards of continuous-image documents (Transfusion's): random text (ids >= 16) with 0-2 images of
+    <boi>, 4 <image> placeholders, <eoi>, and random latent patches beside the ids, with a valid manifest."""
+    from data_shards.token_shards import LATENT_KIND, write_manifest, write_token_shard
+
+    rng = np.random.default_rng(seed)
+    path.mkdir(parents=True, exist_ok=True)
+    info = {"vocab_size": vocab_size, "vocab_fingerprint": "vocab-test", "image_tokenizer_fingerprint": "kl-test"}
+    patches = LATENT["grid"][0] * LATENT["grid"][1]
+    metas = []
+    for s in range(shards):
+        docs, rows = [], 0
+        for _ in range(n_docs // shards):
+            doc = rng.integers(16, vocab_size, rng.integers(2, 10)).tolist()
+            for _ in range(int(rng.integers(0, 3))):
+                doc += [LATENT["boi_id"], *[LATENT["image_placeholder_id"]] * patches, LATENT["eoi_id"]]
+                doc += rng.integers(16, vocab_size, rng.integers(1, 6)).tolist()
+                rows += patches
+            docs.append(doc)
+        latents = rng.standard_normal((rows, LATENT["channels"])).astype(np.float16)
+        keys = [f"s{s}-d{i}" for i in range(len(docs))]
+        metas.append(write_token_shard(path, f"shard-{s:03d}", keys, docs, info, features=latents))
+    write_manifest(path, {**info, "pad_id": 0, "bos_id": 1, "eos_id": 2, "boi_id": LATENT["boi_id"],
+                          "eoi_id": LATENT["eoi_id"], "image_placeholder_id": LATENT["image_placeholder_id"],
+                          "feature_dim": LATENT["channels"], "feature_kind": LATENT_KIND,
+                          "latent": {"channels": LATENT["channels"], "grid": LATENT["grid"], "patch_size": 1}}, metas)
+    return path
+
+
 def tiny_args(token_dir: Path, root: Path, max_steps: int, batch_size: int = 4, extra: list[str] | None = None) -> list[str]:
     """`train.py fit` options for a seconds-long CPU run of the tiny decoder (no progress bar, CSV only)."""
     args = [
@@ -80,11 +114,15 @@ class Recorder(L.Callback):
         self.document_ids.append(batch["document_ids"].clone())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self.losses.append(float(trainer.callback_metrics["train/loss"]))
+        metrics = trainer.callback_metrics  # one term logs train/loss; several log each term and the shown total
+        self.losses.append(float(metrics["train/loss"] if "train/loss" in metrics else metrics["loss"]))
         self.steps.append(trainer.global_step)
 
     def on_train_end(self, trainer, pl_module) -> None:
-        weights = full_state_dict(pl_module.model)
+        weights = full_state_dict(pl_module.model)  # the decoder's names as they are; a family's other parts prefixed
+        for name, part in pl_module.named_children():
+            if name != "model" and any(True for _ in part.parameters()):
+                weights.update({f"{name}.{key}": value for key, value in full_state_dict(part).items()})
         payload = {"losses": self.losses, "steps": self.steps, "batches": self.batches,
                    "document_ids": self.document_ids, "weights": weights}
         torch.save(payload, f"{self.out_prefix}.rank{trainer.global_rank}.pt")

@@ -19,11 +19,12 @@ def test_resume_after_sigkill_matches_an_uninterrupted_run_bit_for_bit(tmp_path)
     resume_after_sigkill_matches_an_uninterrupted_run(tmp_path)
 
 
-def resume_after_sigkill_matches_an_uninterrupted_run(tmp_path: Path, extra: tuple[str, ...] = ()) -> None:
+def resume_after_sigkill_matches_an_uninterrupted_run(tmp_path: Path, extra: tuple[str, ...] = (),
+                                                      tokens: Path | None = None) -> None:
     """Kill a `fit` child (SIGKILL) after step 4 of 9, resume it from last.ckpt, and assert that its batches,
     losses and final weights equal an uninterrupted run's bit for bit; `extra`: more fit options for every run
-    (e.g. another decoder block)."""
-    tokens = fw.make_token_dir(tmp_path / "tokens")
+    (e.g. another decoder block or family); `tokens`: the shards (default: random text)."""
+    tokens = fw.make_token_dir(tmp_path / "tokens") if tokens is None else tokens
     # dropout on (so the RNG states matter) and a loader worker (so the loader position matters);
     # 9 steps of an 8-batch epoch: the kill is mid-epoch and the resumed run crosses into the next epoch
     common = ["--model.config.dropout=0.1", "--data.num_workers=1", *extra]
