@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from bench import bench_scale
+from bench.compare_revisions import TRAIN_STEP
 
 # The decoder: the `tiny` preset over 4,096-token rows. The probe's ids span 65,536 entries; they are folded into
 # MODEL_VOCAB (ids % MODEL_VOCAB) so that a CPU step takes a fraction of a second instead of seconds of LM head: a
@@ -29,7 +30,7 @@ SMOKE = {"multiplier": 2, "batch_size": 1, "rank": 0, "world_size": 4, "warmup_s
          "num_workers": 0, "repeats": 1}
 
 # Runs in a fresh interpreter inside the tree under test: the tree's stream, loader and Lightning module.
-MEASURE_TRAIN = r"""
+MEASURE_TRAIN = TRAIN_STEP + r"""
 import json, sys, time
 import torch
 torch.set_num_threads(1)
@@ -51,14 +52,7 @@ optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4)
 def train_step(batch):
     batch = {k: v for k, v in batch.items() if k in ("input_ids", "document_ids", "position_ids")}
     batch["input_ids"] = batch["input_ids"] % vocab
-    if hasattr(module, "objective"):
-        objective = module.objective(batch)
-        loss = objective.loss(objective.counts())
-    else:
-        loss = module._losses(batch)["loss"]
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer_step(module, optimizer, batch)
 
 batches = iter(loader)
 for _ in range(warmup):

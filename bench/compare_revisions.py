@@ -18,9 +18,22 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Runs inside the tree under test. It reaches the loss through whichever entry point that tree has: the family
-# objective (`objective`) now, `_losses` before the family seam.
-MEASURE = r"""
+# One training step through whichever loss entry point the tree under test has: the family objective
+# (`objective`) now, `_losses` before the family seam. Shared by the scripts that run inside other trees.
+TRAIN_STEP = r"""
+def optimizer_step(module, optimizer, batch):
+    if hasattr(module, "objective"):
+        objective = module.objective(batch)
+        loss = objective.loss(objective.counts())
+    else:
+        loss = module._losses(batch)["loss"]
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+"""
+
+# Runs inside the tree under test.
+MEASURE = TRAIN_STEP + r"""
 import json, sys, time
 import torch
 torch.set_num_threads(int(sys.argv[1]))
@@ -44,14 +57,7 @@ batch = {"input_ids": ids, "document_ids": documents}
 optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=True)
 
 def train_step():
-    if hasattr(module, "objective"):
-        objective = module.objective(batch)
-        loss = objective.loss(objective.counts())
-    else:
-        loss = module._losses(batch)["loss"]
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    optimizer_step(module, optimizer, batch)
 
 for _ in range(2):
     train_step()
