@@ -18,6 +18,7 @@ from fusion_model.cli import DefaultsHelpFormatter
 from fusion_model.families.loading import load_family
 from fusion_model.sample_output import write_samples
 from fusion_model.sampling import MODES, SamplingConfig
+from fusion_model.sampling.denoising import DiffusionSamplingConfig
 
 # The help line of each SamplingConfig field. The options themselves are generated from the dataclass's fields
 # (`add_sampling_options`), so a new field gets its option without a new argparse line (help: this table).
@@ -42,6 +43,8 @@ SAMPLING_HELP: dict[str, str] = {
                           "the same distribution in fewer passes (greedy: the same tokens); combines with "
                           "--compile; 0 = off (window 8 made 1.56x fewer passes per image on the demo's model, "
                           "but no CPU time was saved)",
+    "denoising_steps": "DDIM steps per image of a checkpoint whose images come from a diffusion model (at most its "
+                       "training steps; guidance: --cfg-scale)",
     "compile": "torch.compile the decode step (on CUDA as a CUDA graph): the same tokens, faster steps after a "
                "one-off compile (9-26 s on 2 CPU cores); pays off after several thousand tokens per prompt shape",
 }
@@ -142,7 +145,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--chameleon-defaults", action="store_true",
                    help="start from Chameleon's release settings (temperature 0.7, top-p 0.9, text repetition "
                         "penalty 1.2, three-stream CFG 1.2 / 3.0); explicit options below override them")
-    add_sampling_options(s)
+    add_sampling_options(s, DiffusionSamplingConfig)
 
     p.add_argument("--out", default="runs/samples", help="output directory (PNGs, samples.json, index.html)")
     return p
@@ -175,14 +178,20 @@ def read_prompts(args: argparse.Namespace) -> list[list[Any]]:
 
 
 def sampling_config(args: argparse.Namespace) -> SamplingConfig:
-    """SamplingConfig from the options (defaults, or Chameleon's with --chameleon-defaults)."""
+    """SamplingConfig from the options (defaults, or Chameleon's with --chameleon-defaults); a
+    DiffusionSamplingConfig when a diffusion setting (--denoising-steps) is given."""
     base = SamplingConfig.chameleon() if args.chameleon_defaults else SamplingConfig()
     fields = [f.name for f in dataclasses.fields(SamplingConfig)]
     values = {name: getattr(args, name) for name in fields if getattr(args, name, None) is not None}
     values = {name: tuple(v) if isinstance(v, list) else v for name, v in values.items()}
     if args.cfg_scale is not None and args.cfg_image_scale is None:
         values["cfg_image_scale"] = values["cfg_text_scale"] = None  # an explicit two-stream request wins
-    return replace(base, **values)
+    config = replace(base, **values)
+    diffusion = {f.name: getattr(args, f.name) for f in dataclasses.fields(DiffusionSamplingConfig)
+                 if f.name not in fields and getattr(args, f.name, None) is not None}
+    if not diffusion:
+        return config
+    return DiffusionSamplingConfig(**{name: getattr(config, name) for name in fields}, **diffusion)
 
 
 def run(args: argparse.Namespace) -> dict[str, Path]:
@@ -204,9 +213,10 @@ def run(args: argparse.Namespace) -> dict[str, Path]:
     vocab = UnifiedVocab.load(vocab_path)
     image_tokenizer = None
     if args.image_tokenizer:
-        from tokenizer.image import ImageTokenizer
+        from tokenizer.image import load_image_tokenizer
 
-        image_tokenizer = ImageTokenizer.from_pretrained(args.image_tokenizer, map_location=args.device)
+        # either kind of bundle: codes (VQ) or continuous latents, as the checkpoint's family reads them
+        image_tokenizer = load_image_tokenizer(args.image_tokenizer, map_location=args.device)
     loaded.check_tokenizers(vocab, image_tokenizer, where=f"--checkpoint {args.checkpoint}")
     if config.compile:  # otherwise the first batch is silent for the length of the compile
         print("generate: compiling the decode step (once per batch shape and settings; 9-26 s on 2 CPU cores)",

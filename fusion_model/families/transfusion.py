@@ -438,10 +438,10 @@ class TransfusionFamily(Family):
 
     def generate(self, parts: Mapping[str, nn.Module], vocab: Any, image_tokenizer: Any, prompts: list[list[Any]],
                  config: Any) -> tuple[list[list[Any]], list[list[int]]]:
-        """Refused until the sampler runs DDIM over `denoise` (issue #30)."""
-        raise ValueError("a transfusion checkpoint cannot be sampled by train.py generate yet: its images come from "
-                         "DDIM over TransfusionFamily.denoise (fusion_model.diffusion), which the sampler does not "
-                         "run yet (issue #30)")
+        """Text token by token, images by guided DDIM over `denoise` (fusion_model.families.transfusion_sampling)."""
+        from fusion_model.families.transfusion_sampling import generate
+
+        return generate(self, parts, vocab, image_tokenizer, prompts, config)
 
 
 __all__ = ["ImageLayout", "LatentPatches", "TimestepEmbedding", "TransfusionFamily", "TransfusionOptions",
