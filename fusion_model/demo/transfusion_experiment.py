@@ -1,0 +1,669 @@
+"""`python train.py experiment transfusion`: Chameleon (the demo's VQ codes) vs Transfusion (continuous latents with
+the same encoder and decoder) on the same documents (issue #30).
+
+Arms: `chameleon` trains on the demo's token shards (next-token loss on text and image codes); `transfusion` trains
+on latent shards written from the SAME raw shards with the same flip seed by a continuous tokenizer (preset
+kl-demo-64: demo-64's encoder/decoder, an 8-channel Gaussian on the same 4x4 grid, so a digit is 16 latent patches
+as it is 16 codes) trained on the same digits for the steps the demo's VQ tokenizer ran, at its batch size.
+Both go through `train.py fit --config configs/fusion/demo.yaml` from the same seed, at every size x budget (each
+budget its own run, its own cosine decay); `transfusion_causal` (causal attention inside images, the paper's 0.76B
+ablation) trains at one size and the largest budget. Every run is scored the same way: generation accuracy by the
+demo's independent classifier, Fréchet distance in its penultimate features to held-out digits (with real digits
+and each tokenizer's reconstructions as floors), per-caption diversity, caption accuracy of held-out digits, the
+held-out text loss (documents from the held-out digits), training FLOPs (the family's `flops_per_token` x decoder
+positions trained) and wall time. Chameleon samples through the demo's sampler (its temperature, top-k and
+guidance); Transfusion by guided DDIM over `TransfusionFamily.denoise` with the same guidance scale, captions by
+greedy text after the image's latents at step 0. Needs a finished demo (`python train.py demo`). Writes
+`<out>/results.json`, `<out>/results.md` and `<out>/plots/fd_vs_flops.png`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fusion_model.demo.datasets import caption_prompt, parse_digit, to_model_images
+from fusion_model.demo.fusion_experiment import fit
+from fusion_model.demo.metrics import frechet_distance, per_group_diversity
+from fusion_model.demo.settings import DemoConfig, load_config
+from fusion_model.demo.stages import digits_for, load_image_tokenizer, load_vocab, require_outputs
+from tokenizer.files import atomic_write_json, atomic_write_text
+
+# Decoder sizes over the `demo` preset (d 128, 4 layers, 4 heads, FFN 384): head width 32 and FFN ratio 3x kept.
+SIZES: dict[str, dict[str, int]] = {
+    "demo": {},
+    "d192": {"dim": 192, "n_layers": 6, "n_heads": 6, "ffn_dim": 576},
+    # the smoke mode's sizes: seconds per run
+    "d32": {"dim": 32, "n_layers": 1, "n_heads": 1, "ffn_dim": 96},
+    "d48": {"dim": 48, "n_layers": 2, "n_heads": 2, "ffn_dim": 144},
+}
+# arm -> (family, family_options)
+ARMS: dict[str, tuple[str, dict]] = {
+    "chameleon": ("chameleon", {}),
+    "transfusion": ("transfusion", {}),
+    "transfusion_causal": ("transfusion", {"image_bidirectional": False}),
+}
+KL_PRESET = "kl-demo-64"
+PAPER = {"fid_parity_flop_ratio_7b": 0.029, "causal_fid_0.76b": 61.3, "bidirectional_fid_0.76b": 20.3}
+
+
+@dataclass
+class TransfusionExperimentConfig:
+    """The comparison's settings; defaults are the full run."""
+
+    demo: str = "full"  # the demo preset whose finished outputs are reused
+    demo_dir: str | None = None  # default: that preset's out_dir
+    out_dir: str = "runs/transfusion"
+    sizes: tuple[str, ...] = ("demo", "d192")
+    budgets: tuple[int, ...] = (300, 600)  # optimizer steps; every size trains every budget (8 rows x 256 tokens)
+    ablation_size: str = "demo"  # where transfusion_causal trains (at the largest budget)
+    ddim_steps: int = 50
+    images_per_caption: int | None = None  # generated per digit (None: the demo's setting)
+    understanding_examples: int | None = None  # held-out digits captioned (None: the demo's setting)
+    held_out_arithmetic: int = 200  # arithmetic documents of the held-out text loss (plus one caption per digit)
+    seed: int = 0
+    reuse: bool = False  # keep a run (and the continuous tokenizer) already finished with the same options
+
+
+def smoke_config(demo_dir: str | None = None, out_dir: str = "runs/transfusion-smoke") -> TransfusionExperimentConfig:
+    """The smoke mode: the smoke demo's outputs, two tiny sizes, a few steps, few DDIM steps and images."""
+    return TransfusionExperimentConfig(demo="smoke", demo_dir=demo_dir, out_dir=out_dir, sizes=("d32", "d48"),
+                                       budgets=(3, 6), ablation_size="d32", ddim_steps=8, images_per_caption=3,
+                                       understanding_examples=20, held_out_arithmetic=20)
+
+
+def run_name(size: str, steps: int, arm: str) -> str:
+    """The folder and key of one run."""
+    return f"{size}_{steps}_{arm}"
+
+
+def planned_runs(config: TransfusionExperimentConfig) -> list[tuple[str, int, str]]:
+    """(size, steps, arm) of every run, the ablation size first so that its runs finish even if a later size runs
+    out of time."""
+    order = [config.ablation_size] + [s for s in config.sizes if s != config.ablation_size]
+    runs = [(size, steps, arm) for size in order for steps in sorted(config.budgets)
+            for arm in ("chameleon", "transfusion")]
+    runs.append((config.ablation_size, max(config.budgets), "transfusion_causal"))
+    return runs
+
+
+# ---------------------------------------------------------------- the continuous tokenizer and its shards
+
+
+def continuous_tokenizer(config: TransfusionExperimentConfig, demo: DemoConfig, demo_dir: Path, out_dir: Path,
+                         log: Callable[[str], None]):
+    """kl-demo-64 trained on the demo's training digits with the VQ tokenizer's budget (the steps it ran, its batch
+    size and encoder overrides, the demo's seed); returns (bundle, its record)."""
+    from fusion_model.demo.bookkeeping import read_marker
+    from tokenizer.image import ContinuousImageTokenizer
+    from tokenizer.image.train import fit_image_tokenizer
+
+    marker = read_marker(demo_dir, "tokenizer") or {}
+    if "steps" not in marker:
+        raise ValueError(f"{demo_dir / 'tokenizer' / 'stage.json'} does not record the VQ tokenizer's steps")
+    settings = demo.tokenizer
+    key = {"preset": KL_PRESET, "steps": int(marker["steps"]), "batch_size": settings.batch_size,
+           "overrides": dict(settings.overrides), "seed": demo.seed, "vq_key": marker.get("key")}
+    folder = out_dir / "tokenizer_kl"
+    saved = folder / "record.json"
+    if config.reuse and saved.is_file() and (folder / "model").is_dir():
+        record = json.loads(saved.read_text())
+        if record["key"] == key:
+            log("  continuous tokenizer: reusing the finished one")
+            return ContinuousImageTokenizer.from_pretrained(folder / "model"), record
+    digits = digits_for(demo)
+    size = demo.data.image_size
+    start = time.perf_counter()
+    tokenizer, info = fit_image_tokenizer(
+        to_model_images(digits.train_images, size), preset=KL_PRESET, batch_size=settings.batch_size,
+        max_steps=key["steps"], max_minutes=None, seed=demo.seed, progress=False, log_dir=folder / "logs",
+        overrides=settings.overrides or None)
+    tokenizer.save_pretrained(folder / "model")
+    tokenizer = ContinuousImageTokenizer.from_pretrained(folder / "model")
+    record = {"key": key, "seconds": time.perf_counter() - start, "vq_psnr_db": marker.get("psnr_db"),
+              **{k: v for k, v in info.items() if isinstance(v, (int, float, str))},
+              "psnr_db": psnr(tokenizer, to_model_images(digits.test_images, size))}
+    atomic_write_json(saved, record)
+    log(f"  continuous tokenizer: {key['steps']} steps in {record['seconds']:.0f} s, held-out PSNR "
+        f"{record['psnr_db']:.2f} dB (VQ: {marker.get('psnr_db', float('nan')):.2f} dB)")
+    return tokenizer, record
+
+
+@torch.no_grad()
+def psnr(tokenizer, images: torch.Tensor) -> float:
+    """Held-out PSNR (dB, pixels in [-1, 1]) of encode -> decode."""
+    recon = tokenizer.decode(tokenizer.encode(images))
+    mse = float(((recon - images.float()) ** 2).mean())
+    return 10 * float(np.log10(4.0 / mse))
+
+
+def latent_shards(raw: Path, out: Path, vocab, tokenizer, demo: DemoConfig) -> Path:
+    """`raw`'s documents as latent shards (the demo's flip probability and seed); finished shards are kept."""
+    from data_shards.pretokenize import pretokenize
+
+    pretokenize(raw, out, vocab, tokenizer, flip_probability=demo.shards.flip_probability, seed=demo.seed,
+                progress=False)
+    return out
+
+
+# ---------------------------------------------------------------- sampling and scoring
+
+
+def family_options(arm: str) -> dict:
+    """The run's `--model.family_options` (only what the arm sets; fit derives the rest from the shards)."""
+    return dict(ARMS[arm][1])
+
+
+@torch.no_grad()
+def guided_ddim(family, parts, ids: torch.Tensor, x_start: torch.Tensor, cfg_scale: float,
+                ddim_steps: int) -> torch.Tensor:
+    """DDIM (eta 0) from x_start (B, T, C*k*k; noise at the placeholders of `ids`, zeros elsewhere) to clean
+    latents, the noise predictions guided: unconditional + scale x (conditional - unconditional), the unconditional
+    branch the one caption dropout trains (the image sees only its `<boi>` and itself)."""
+    from fusion_model.diffusion import ddim_sample, guided_noise
+
+    n = len(ids)
+
+    def predict(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        if cfg_scale == 1.0:
+            return family.denoise(parts, ids, x_t, t)
+        both = family.denoise(parts, ids.repeat(2, 1), x_t.repeat(2, 1, 1), t,
+                              unconditional=torch.arange(2 * n) >= n)
+        return guided_noise(both[:n], both[n:], cfg_scale)
+
+    return ddim_sample(predict, x_start, family.schedule, ddim_steps)
+
+
+@torch.no_grad()
+def transfusion_images(loaded, vocab, tokenizer, targets: np.ndarray, *, cfg_scale: float, ddim_steps: int,
+                       seed: int) -> tuple[torch.Tensor, int]:
+    """One image per target digit: `<s> caption <boi>` + placeholders, guided DDIM (eta 0) over `denoise`, the
+    latents decoded by the continuous bundle. Returns (images, rows whose latents were not finite, set to 0)."""
+    from tokenizer.layout import unpatchify
+    from tokenizer.vocab import LatentImage
+
+    family, parts = loaded.family, loaded.parts
+    k = family.options.patch_size
+    h, w = tokenizer.grid_shape
+    patches = (h // k) * (w // k)
+    generator = torch.Generator().manual_seed(seed)
+    bad = 0
+    order = np.argsort(targets, kind="stable")
+    out = [None] * len(targets)
+    for digit in np.unique(targets):  # one batch per caption: identical prompts, no padding
+        rows = order[targets[order] == digit]
+        ids = vocab.encode_document([caption_prompt(int(digit)), LatentImage(patches)], bos=True, eos=False)
+        if ids[-1] != vocab.eoi_id:
+            raise ValueError("the vocabulary did not close the latent image with <eoi>")
+        ids = torch.tensor(ids[:-1]).repeat(len(rows), 1)
+        is_patch = ids == family.options.image_placeholder_id
+        x = torch.zeros(*ids.shape, family.options.latent_dim)
+        x[is_patch] = torch.randn(int(is_patch.sum()), family.options.latent_dim, generator=generator)
+        n = len(rows)
+        x = guided_ddim(family, parts, ids, x, cfg_scale, ddim_steps)
+        latents = x[is_patch].view(n, patches, -1)
+        finite = torch.isfinite(latents).flatten(1).all(1)
+        bad += int((~finite).sum())
+        latents = torch.where(finite[:, None, None], latents, torch.zeros_like(latents))
+        decoded = tokenizer.decode(unpatchify(latents, k, h, w))
+        for r, image in zip(rows, decoded):
+            out[r] = image
+    return torch.stack(out), bad
+
+
+@torch.no_grad()
+def transfusion_understanding(loaded, vocab, tokenizer, images: torch.Tensor, labels: np.ndarray, *,
+                              max_new_tokens: int = 16, batch_size: int = 250) -> dict:
+    """Greedy captions of `<s> <boi>` + the image's clean latents at step 0 + `<eoi>` (text ids only, as the
+    demo's text mode allows); scored like `evaluate.understanding`."""
+    from fusion_model.families.transfusion import image_layout
+    from tokenizer.layout import patchify
+    from tokenizer.vocab import LatentImage, text_mode_mask
+
+    family, parts = loaded.family, loaded.parts
+    options = family.options
+    latents = patchify(tokenizer.encode(images), options.patch_size)  # (N, P, D)
+    prompt = torch.tensor(vocab.encode_document([LatentImage(latents.shape[1])], bos=True, eos=False))
+    allowed = text_mode_mask(vocab)
+    head = parts["model"].head.weight
+    texts: list[str] = []
+    for start in range(0, len(latents), batch_size):
+        chunk = latents[start:start + batch_size]
+        n = len(chunk)
+        ids = prompt.repeat(n, 1)
+        values = torch.zeros(n, ids.shape[1], options.latent_dim)
+        values[ids == options.image_placeholder_id] = chunk.reshape(-1, options.latent_dim)
+        new = torch.empty(n, 0, dtype=torch.long)
+        done = torch.zeros(n, dtype=torch.bool)
+        for _ in range(max_new_tokens):
+            documents = torch.zeros_like(ids)
+            layout = image_layout(ids, documents, options.image_placeholder_id)
+            steps = torch.zeros(int(layout.is_patch.sum()), dtype=torch.long)
+            hidden, _ = family.predict(parts, ids, layout, values[layout.is_patch], steps, document_ids=documents)
+            logits = (hidden[:, -1].float() @ head.float().T).masked_fill(~allowed, float("-inf"))
+            token = torch.where(done, torch.full((n,), vocab.eos_id), logits.argmax(-1))
+            new = torch.cat([new, token[:, None]], 1)
+            done |= token == vocab.eos_id
+            ids = torch.cat([ids, token[:, None]], 1)
+            values = torch.cat([values, torch.zeros(n, 1, options.latent_dim)], 1)
+            if bool(done.all()):
+                break
+        for row in new.tolist():
+            row = row[:row.index(vocab.eos_id)] if vocab.eos_id in row else row
+            texts.append(vocab.decode_text(row).strip())
+    predicted = [parse_digit(t) for t in texts]
+    correct = [p == int(y) for p, y in zip(predicted, labels)]
+    return {"texts": texts, "accuracy": float(np.mean(correct)), "count": len(correct)}
+
+
+def read_validation(folder: Path) -> dict[str, float]:
+    """The last validation row's losses from the run's CSV log (`val/...` columns)."""
+    [metrics] = sorted((folder / "csv").glob("version_*/metrics.csv"))
+    last: dict[str, float] = {}
+    with metrics.open() as handle:
+        for row in csv.DictReader(handle):
+            values = {k[4:]: float(v) for k, v in row.items() if k.startswith("val/") and v}
+            if values:
+                last = values
+    return last
+
+
+def balanced_split(labels: np.ndarray, per_class: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """`per_class` random indices of each label (the floors' sample, sized like one generation pass) and the rest
+    (the reference every Fréchet distance is measured against)."""
+    rng = np.random.default_rng(seed)
+    subset = np.concatenate([rng.choice(np.flatnonzero(labels == d), min(per_class, int((labels == d).sum())),
+                                        replace=False) for d in np.unique(labels)])
+    return np.sort(subset), np.setdiff1d(np.arange(len(labels)), subset)
+
+
+@dataclass
+class _Context:
+    """What every run of one experiment shares."""
+
+    config: TransfusionExperimentConfig
+    demo: DemoConfig
+    demo_dir: Path
+    out_dir: Path
+    train_dirs: dict[str, Path]  # family -> training shards
+    val_dirs: dict[str, Path]  # family -> held-out shards
+    vocab: object
+    tokenizers: dict[str, object]  # family -> image tokenizer
+    kl_dir: Path
+    classifier: object
+    test_images: torch.Tensor
+    test_codes: torch.Tensor
+    test_labels: np.ndarray
+    reference: np.ndarray  # classifier features of the held-out digits the distances are measured against
+    log: Callable[[str], None]
+
+
+def score_images(ctx: _Context, images: torch.Tensor, targets: np.ndarray, complete: np.ndarray) -> dict:
+    """Generation accuracy (incomplete rows count as wrong), Fréchet distance and per-caption diversity of the
+    complete images in the classifier's features."""
+    predicted = ctx.classifier.predict(images).numpy()
+    result = {"generation_accuracy": float(((predicted == targets) & complete).mean()),
+              "generation_count": len(targets), "complete": int(complete.sum()),
+              "frechet_distance": float("nan"), "diversity": float("nan")}
+    if complete.sum() >= 2:
+        features = ctx.classifier.penultimate_features(images[torch.as_tensor(complete)]).numpy()
+        result["frechet_distance"] = frechet_distance(features, ctx.reference)
+        result["diversity"] = per_group_diversity(features, targets[complete])
+    return result
+
+
+def evaluate_run(ctx: _Context, loaded, arm: str) -> dict:
+    """Generation (images per caption from every digit's caption) and understanding, the same for both families."""
+    from fusion_model.demo import evaluate
+
+    settings = ctx.demo.generate
+    per = ctx.config.images_per_caption or settings.images_per_caption
+    seed = ctx.config.seed
+    with torch.no_grad():
+        if ARMS[arm][0] == "chameleon":
+            model = loaded.parts["model"]
+            gen = evaluate.generation(model, ctx.vocab, ctx.tokenizers["chameleon"], ctx.classifier,
+                                      replace(settings, images_per_caption=per), seed=seed)
+            scores = score_images(ctx, gen["images"], gen["targets"], gen["complete"])
+            under = evaluate.understanding(model, ctx.vocab, ctx.test_codes, ctx.test_labels)
+            scores["sampler"] = {"temperature": settings.temperature, "top_k": settings.top_k,
+                                 "cfg_scale": settings.cfg_scale}
+        else:
+            targets = np.repeat(np.arange(10), per)
+            images, bad = transfusion_images(loaded, ctx.vocab, ctx.tokenizers["transfusion"], targets,
+                                             cfg_scale=settings.cfg_scale, ddim_steps=ctx.config.ddim_steps,
+                                             seed=seed)
+            complete = np.ones(len(targets), dtype=bool)  # DDIM always yields a whole image
+            scores = score_images(ctx, images, targets, complete)
+            scores["nonfinite_latents"] = bad
+            under = transfusion_understanding(loaded, ctx.vocab, ctx.tokenizers["transfusion"], ctx.test_images,
+                                              ctx.test_labels)
+            scores["sampler"] = {"ddim_steps": ctx.config.ddim_steps, "cfg_scale": settings.cfg_scale}
+    return {**scores, "understanding_accuracy": under["accuracy"], "understanding_count": under["count"],
+            "sample_captions": under["texts"][:8]}
+
+
+def train_and_score(ctx: _Context, size: str, steps: int, arm: str) -> dict:
+    """One run: train (or reuse), score; its record is also written to `<run>/record.json`."""
+    from fusion_model.families.loading import load_family
+
+    family, options = ARMS[arm]
+    name, config = run_name(size, steps, arm), ctx.config
+    folder = ctx.out_dir / name
+    extra = [f"--model.config.{key}={value}" for key, value in SIZES[size].items()]
+    if family != "chameleon":
+        extra += [f"--model.family={family}", f"--data.image_tokenizer={ctx.kl_dir}"]
+    if options:
+        extra.append(f"--model.family_options={json.dumps(options)}")
+    extra += [f"--data.val_dir={ctx.val_dirs[family]}", f"--trainer.val_check_interval={steps}",
+              "--trainer.check_val_every_n_epoch=null"]
+    saved = folder / "record.json"
+    if config.reuse and saved.is_file():
+        record = json.loads(saved.read_text())
+        if record["extra"] == extra and record["steps"] == steps and Path(record["last_checkpoint"]).is_file():
+            ctx.log(f"  {name}: reusing the finished run")
+            return record
+    module, trained = fit(name, ctx.out_dir, ctx.demo_dir, ctx.train_dirs[family], steps, config.seed, extra, ctx.log)
+    seq_len = int(module.trainer.datamodule.seq_len)
+    del module
+    loaded = load_family(trained["last_checkpoint"])
+    flops_per_token = float(loaded.family.flops_per_token(seq_len))
+    model_config = loaded.parts["model"].config
+    scores = evaluate_run(ctx, loaded, arm)
+    record = {
+        **trained, "size": size, "arm": arm, "family": family, "family_options": loaded.family.options_dict(),
+        "extra": extra, "architecture": {k: getattr(model_config, k) for k in ("dim", "n_layers", "n_heads", "ffn_dim")},
+        "parameters": sum(p.numel() for part in loaded.parts.values() for p in part.parameters()),
+        "seq_len": seq_len, "flops_per_token": flops_per_token,
+        "flops": flops_per_token * trained["decoder_positions"], "held_out": read_validation(folder), **scores,
+    }
+    atomic_write_json(saved, record)
+    ctx.log(f"  {name}: FD {record['frechet_distance']:.2f}, generation {record['generation_accuracy']:.1%}, "
+            f"understanding {record['understanding_accuracy']:.1%}, held-out text "
+            f"{record['held_out'].get('text_loss', float('nan')):.3f}, {record['flops']:.3g} FLOPs")
+    return record
+
+
+# ---------------------------------------------------------------- the comparison
+
+
+def flop_parity(runs: dict[str, dict], sizes: tuple[str, ...] | None = None) -> dict:
+    """Chameleon's best (lowest) FD among its runs, and the cheapest Transfusion run (bidirectional) that reaches it:
+    its FLOPs over those of Chameleon's best run. With a grid of budgets this ratio is an upper bound at the grid's
+    resolution; None when no Transfusion run reaches it. `sizes`: only runs of those sizes."""
+    def pick(arm: str) -> list[dict]:
+        return [r for r in runs.values() if r["arm"] == arm and np.isfinite(r["frechet_distance"])
+                and (sizes is None or r["size"] in sizes)]
+
+    chameleon, transfusion = pick("chameleon"), sorted(pick("transfusion"), key=lambda r: r["flops"])
+    if not chameleon:
+        return {"chameleon_best_fd": None, "transfusion_run": None, "flop_ratio": None}
+    best = min(chameleon, key=lambda r: (r["frechet_distance"], r["flops"]))
+    first = next((r for r in transfusion if r["frechet_distance"] <= best["frechet_distance"]), None)
+    return {"chameleon_best_run": run_name(best["size"], best["steps"], "chameleon"),
+            "chameleon_best_fd": best["frechet_distance"], "chameleon_best_flops": best["flops"],
+            "transfusion_run": None if first is None else run_name(first["size"], first["steps"], "transfusion"),
+            "transfusion_fd": None if first is None else first["frechet_distance"],
+            "flop_ratio": None if first is None else first["flops"] / best["flops"]}
+
+
+def run(config: TransfusionExperimentConfig, log: Callable[[str], None] = print,
+        demo: DemoConfig | None = None) -> dict:
+    """Train both families at every size x budget (and the causal ablation), score each; returns (and writes) the
+    results. `demo`: the settings the demo in `demo_dir` ran with (default: the preset's)."""
+    from fusion_model.demo.bookkeeping import read_marker, stage_key
+    from fusion_model.demo.classifier import DigitClassifier
+    from fusion_model.demo.mot_experiment import held_out_shards
+    from tokenizer.files import load_checkpoint_file
+
+    unknown = [s for s in (*config.sizes, config.ablation_size) if s not in SIZES]
+    if unknown or config.ablation_size not in config.sizes:
+        raise ValueError(f"unknown size(s) {unknown} or ablation size {config.ablation_size!r} not among --sizes; "
+                         f"sizes are {list(SIZES)}")
+    if not config.budgets or min(config.budgets) < 1:
+        raise ValueError(f"--budgets {config.budgets}: give positive step counts")
+    demo = demo or load_config(config.demo)
+    demo_dir = Path(config.demo_dir or demo.out_dir).resolve()
+    out_dir = Path(config.out_dir).resolve()
+    require_outputs(demo_dir, config.demo, ("tokenizer/model", "tokenizer/stage.json", "vocab/tokenizer.json",
+                                            "shards/raw", "shards/tokens", "generate/classifier.pt"),
+                    "tokenizer, vocabulary, raw and token shards and classifier")
+    marker = read_marker(demo_dir, "shards")
+    if marker is None or marker.get("key") != stage_key(demo, "shards"):
+        raise ValueError(f"{demo_dir} was not made with the {config.demo!r} demo settings (its shards stage key "
+                         "differs): the held-out digits would not be the ones it held out; pass the matching --demo")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+
+    log("[1/5] the continuous tokenizer (kl-demo-64, the VQ tokenizer's budget)")
+    vocab, vq = load_vocab(demo_dir), load_image_tokenizer(demo_dir)
+    kl, kl_record = continuous_tokenizer(config, demo, demo_dir, out_dir, log)
+
+    log("[2/5] latent shards of the demo's documents; held-out documents in both forms")
+    train_latents = latent_shards(demo_dir / "shards" / "raw", out_dir / "shards_kl" / "latents", vocab, kl, demo)
+    val_tokens = held_out_shards(config, demo, demo_dir, out_dir)
+    val_latents = latent_shards(out_dir / "held_out" / "raw", out_dir / "held_out" / "latents", vocab, kl, demo)
+
+    digits = digits_for(demo)
+    size = demo.data.image_size
+    test_images = to_model_images(digits.test_images, size)
+    count = min(config.understanding_examples or demo.generate.understanding_examples, len(digits.test_labels))
+    classifier = DigitClassifier()
+    classifier.load_state_dict(load_checkpoint_file(demo_dir / "generate" / "classifier.pt"))
+    classifier.eval()
+    per = config.images_per_caption or demo.generate.images_per_caption
+    subset, rest = balanced_split(digits.test_labels, per, config.seed + 4)
+    with torch.no_grad():
+        test_codes = vq.encode(test_images[:count])
+        real = classifier.penultimate_features(test_images).numpy()
+        floors = {"real": frechet_distance(real[subset], real[rest])}
+        for name, tokenizer in (("vq_reconstructed", vq), ("kl_reconstructed", kl)):
+            recon = tokenizer.decode(tokenizer.encode(test_images[torch.as_tensor(subset)]))
+            floors[name] = frechet_distance(classifier.penultimate_features(recon).numpy(), real[rest])
+            floors[f"{name}_accuracy"] = float((classifier.predict(recon).numpy() == digits.test_labels[subset]).mean())
+    ctx = _Context(config, demo, demo_dir, out_dir, {"chameleon": demo_dir / "shards" / "tokens",
+                                                     "transfusion": train_latents},
+                   {"chameleon": val_tokens, "transfusion": val_latents}, vocab,
+                   {"chameleon": vq, "transfusion": kl}, out_dir / "tokenizer_kl" / "model", classifier,
+                   test_images[:count], test_codes, digits.test_labels[:count], real[rest], log)
+    floors["real_diversity"] = per_group_diversity(real, digits.test_labels)
+    floors["reference_count"], floors["sample_count"] = len(rest), len(subset)
+
+    log("[3/5] training (train.py fit, configs/fusion/demo.yaml) and scoring")
+    runs: dict[str, dict] = {}
+    for size_name, steps, arm in planned_runs(config):
+        runs[run_name(size_name, steps, arm)] = train_and_score(ctx, size_name, steps, arm)
+        record = summarize(config, runs, floors, kl_record, out_dir, demo_dir, start, complete=False)
+        atomic_write_json(out_dir / "results.json", record)  # partial results survive an interrupted run
+
+    log("[4/5] plots")
+    record = summarize(config, runs, floors, kl_record, out_dir, demo_dir, start, complete=True)
+    record["plots"] = write_plots(record, out_dir / "plots")
+    log("[5/5] results")
+    atomic_write_json(out_dir / "results.json", record)
+    atomic_write_text(out_dir / "results.md", results_markdown(record))
+    log(results_markdown(record))
+    log(f"results: {out_dir / 'results.md'} ({record['minutes']:.1f} minutes)")
+    return record
+
+
+def summarize(config: TransfusionExperimentConfig, runs: dict[str, dict], floors: dict, kl_record: dict,
+              out_dir: Path, demo_dir: Path, start: float, complete: bool) -> dict:
+    """The results record: every run, the floors, FLOP parity overall and per size, the causal ablation."""
+    ablation = {}
+    causal = runs.get(run_name(config.ablation_size, max(config.budgets), "transfusion_causal"))
+    bidirectional = runs.get(run_name(config.ablation_size, max(config.budgets), "transfusion"))
+    if causal and bidirectional:
+        ablation = {"bidirectional_fd": bidirectional["frechet_distance"], "causal_fd": causal["frechet_distance"],
+                    "bidirectional_generation": bidirectional["generation_accuracy"],
+                    "causal_generation": causal["generation_accuracy"]}
+    return {"config": dataclasses.asdict(config), "demo_dir": str(demo_dir), "out_dir": str(out_dir),
+            "sizes": {s: SIZES[s] for s in config.sizes}, "runs": runs, "floors": floors,
+            "continuous_tokenizer": kl_record, "flop_parity": flop_parity(runs),
+            "flop_parity_per_size": {s: flop_parity(runs, (s,)) for s in config.sizes},
+            "causal_ablation": ablation, "paper": PAPER, "complete": complete,
+            "minutes": (time.perf_counter() - start) / 60, "threads": torch.get_num_threads(),
+            "finished_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+# ---------------------------------------------------------------- outputs
+
+
+def _number(value: float | None, spec: str = ".2f") -> str:
+    return "n/a" if value is None or not np.isfinite(value) else format(value, spec)
+
+
+def _parity_line(parity: dict) -> str:
+    if parity.get("chameleon_best_fd") is None:
+        return "no Chameleon run has a finite FD"
+    head = f"Chameleon's best FD {parity['chameleon_best_fd']:.2f} ({parity['chameleon_best_run']})"
+    if parity["flop_ratio"] is None:
+        return f"{head}: no Transfusion run reaches it"
+    return (f"{head}: first reached by {parity['transfusion_run']} (FD {parity['transfusion_fd']:.2f}) at "
+            f"{parity['flop_ratio']:.3f} of its training FLOPs")
+
+
+def results_markdown(record: dict, plot_dir: str = "plots") -> str:
+    """The results as Markdown: one row per run, the floors, FLOP parity, the ablation, the plot."""
+    runs, floors = record["runs"], record["floors"]
+    lines = ["| run | steps | parameters | FLOPs/token | training FLOPs | wall s | generation | FD | diversity | "
+             "understanding | held-out text loss |", "|---" * 11 + "|"]
+    for name, r in runs.items():
+        lines.append(
+            f"| {name} | {r['steps']} | {r['parameters']:,} | {r['flops_per_token'] / 1e6:.2f}M | {r['flops']:.3g} | "
+            f"{r['seconds']:.1f} | {r['generation_accuracy']:.1%} | {_number(r['frechet_distance'])} | "
+            f"{_number(r['diversity'])} | {r['understanding_accuracy']:.1%} | "
+            f"{_number(r['held_out'].get('text_loss'), '.4f')} |")
+    kl = record["continuous_tokenizer"]
+    lines += ["", "| floor | FD | classifier accuracy |", "|---|---|---|",
+              f"| real held-out digits ({floors['sample_count']}) | {floors['real']:.2f} | - |",
+              f"| VQ reconstructions (Chameleon's tokenizer) | {floors['vq_reconstructed']:.2f} | "
+              f"{floors['vq_reconstructed_accuracy']:.1%} |",
+              f"| KL reconstructions (Transfusion's tokenizer) | {floors['kl_reconstructed']:.2f} | "
+              f"{floors['kl_reconstructed_accuracy']:.1%} |",
+              "", f"Real digits' per-caption diversity: {floors['real_diversity']:.2f}. Continuous tokenizer: "
+              f"{kl['key']['steps']} steps (the VQ tokenizer's), held-out PSNR {kl['psnr_db']:.2f} dB against the VQ's "
+              f"{_number(kl.get('vq_psnr_db'))} dB.", "",
+              f"FLOP parity (all sizes): {_parity_line(record['flop_parity'])}. Paper (7B): "
+              f"{PAPER['fid_parity_flop_ratio_7b']}."]
+    for size, parity in record["flop_parity_per_size"].items():
+        lines.append(f"- {size}: {_parity_line(parity)}")
+    ablation = record["causal_ablation"]
+    if ablation:
+        lines += ["", f"Causal-only image attention ({record['config']['ablation_size']}, "
+                  f"{max(record['config']['budgets'])} steps): FD {_number(ablation['causal_fd'])} "
+                  f"(generation {ablation['causal_generation']:.1%}) against bidirectional "
+                  f"{_number(ablation['bidirectional_fd'])} ({ablation['bidirectional_generation']:.1%}); paper (0.76B, "
+                  f"FID): causal {PAPER['causal_fid_0.76b']}, bidirectional {PAPER['bidirectional_fid_0.76b']}."]
+    config = record["config"]
+    lines += ["", f"FD: Fréchet distance in the demo classifier's 128-d penultimate features to "
+              f"{floors['reference_count']} held-out digits, over {config['images_per_caption'] or 'the demo setting of'}"
+              f" images per caption; diversity: mean pairwise feature distance among one caption's images. Training "
+              f"FLOPs: the family's flops_per_token(seq_len) x decoder positions trained (Transfusion's counts its "
+              f"patch projections and timestep MLP at every position). {record['minutes']:.1f} minutes on "
+              f"{record['threads']} thread(s).", "", f"![FD against training FLOPs]({plot_dir}/fd_vs_flops.png)"]
+    return "\n".join(lines) + "\n"
+
+
+def write_plots(record: dict, folder: Path) -> list[str]:
+    """FD (and generation accuracy) against training FLOPs, one line per family and size, the floors dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on CI machines
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    runs, floors = record["runs"], record["floors"]
+    colours = {"chameleon": "tab:blue", "transfusion": "tab:red", "transfusion_causal": "tab:orange"}
+    styles = ["-", "--", ":", "-."]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
+    for ax, key, label in ((axes[0], "frechet_distance", "FD (classifier features)"),
+                           (axes[1], "generation_accuracy", "generation accuracy")):
+        for arm in ARMS:
+            for i, size in enumerate(record["config"]["sizes"]):
+                points = sorted((r["flops"], r[key]) for r in runs.values() if r["arm"] == arm and r["size"] == size)
+                if points:
+                    x, y = zip(*points)
+                    ax.plot(x, y, linestyle=styles[i % len(styles)], marker="o", color=colours[arm],
+                            label=f"{arm} {size}")
+        if key == "frechet_distance":
+            for name, colour in (("real", "grey"), ("vq_reconstructed", "tab:blue"), ("kl_reconstructed", "tab:red")):
+                ax.axhline(floors[name], color=colour, linewidth=0.8, linestyle=(0, (2, 2)), label=f"floor: {name}")
+        ax.set_xscale("log")
+        ax.set_xlabel("training FLOPs")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    path = folder / "fd_vs_flops.png"
+    fig.savefig(path)
+    plt.close(fig)
+    return [str(path)]
+
+
+# ---------------------------------------------------------------- command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `train.py experiment transfusion` options."""
+    parser = argparse.ArgumentParser(prog="train.py experiment transfusion", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    defaults = TransfusionExperimentConfig()
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes and a few steps on the smoke demo's outputs (runs/demo-smoke)")
+    parser.add_argument("--demo", default=None, help=f"the demo preset whose outputs are reused (default: "
+                        f"{defaults.demo}; smoke with --smoke)")
+    parser.add_argument("--demo-dir", default=None, help="the finished demo's folder (default: the preset's out_dir)")
+    parser.add_argument("--out", default=None, help=f"output folder (default: {defaults.out_dir})")
+    parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=None,
+                        help=f"decoder sizes (default: {' '.join(defaults.sizes)})")
+    parser.add_argument("--budgets", nargs="+", type=int, default=None,
+                        help=f"optimizer steps, each size trains each (default: {' '.join(map(str, defaults.budgets))})")
+    parser.add_argument("--ablation-size", default=None, help=f"default: {defaults.ablation_size}")
+    for name in ("ddim_steps", "images_per_caption", "understanding_examples", "held_out_arithmetic", "seed"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                            help=f"default: {getattr(defaults, name)}")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep runs already finished with the same options (resume an interrupted experiment)")
+    parser.add_argument("--threads", default="auto", help="torch threads: auto = the cores other processes leave idle")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> TransfusionExperimentConfig:
+    """The experiment's settings: the full run's or the smoke mode's, with the options given replacing theirs."""
+    base = smoke_config() if args.smoke else TransfusionExperimentConfig()
+    given = {"demo": args.demo, "demo_dir": args.demo_dir, "out_dir": args.out,
+             "sizes": tuple(args.sizes) if args.sizes else None,
+             "budgets": tuple(args.budgets) if args.budgets else None, "ablation_size": args.ablation_size,
+             "reuse": args.reuse or None,
+             **{name: getattr(args, name) for name in ("ddim_steps", "images_per_caption", "understanding_examples",
+                                                       "held_out_arithmetic", "seed")}}
+    return dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python train.py experiment transfusion`."""
+    from tokenizer.threads import free_cores
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "transfusion":
+        print("usage: python train.py experiment transfusion [options]", file=sys.stderr)
+        return 2
+    args = build_parser().parse_args(argv[1:])
+    config = config_from_args(args)
+    threads = free_cores() if args.threads == "auto" else int(args.threads)
+    torch.set_num_threads(threads)
+    print(f"experiment transfusion: {threads} thread{'s' if threads > 1 else ''}, output in {config.out_dir}",
+          flush=True)
+    run(config)
+    return 0
