@@ -113,12 +113,13 @@ def probe(trees: dict[str, str], settings: dict, scale_settings: dict, data_root
     labels = list(trees)
     if len(labels) == 2:
         before, after = labels
-        for key in ("train_tokens_per_s", "train_tokens_per_cpu_s"):
-            figures[f"{after}_over_{before}_{key}"] = medians[after][key] / medians[before][key]
-        # paired by round: each round ran both trees back to back, so a round's ratio sees the same machine load
-        for key in ("train_tokens_per_s", "train_tokens_per_cpu_s"):
+        # named "..._ratio" (a bare number): a name ending in _per_s would be shown as tokens/s
+        for key, what in (("train_tokens_per_s", "wall"), ("train_tokens_per_cpu_s", "cpu")):
+            figures[f"train_tokens_per_{what}_second_{after}_over_{before}_ratio"] = (medians[after][key]
+                                                                                     / medians[before][key])
+            # paired by round: each round ran both trees back to back, so a round's ratio sees one machine load
             paired = [a[key] / b[key] for a, b in zip(runs[after], runs[before])]
-            figures[f"{after}_over_{before}_{key}_paired_median"] = statistics.median(paired)
+            figures[f"train_tokens_per_{what}_second_{after}_over_{before}_paired_ratio"] = statistics.median(paired)
     config = {**settings, "seq_len": seq_len, "model": f"tiny preset, vocab {MODEL_VOCAB} (ids folded), fp32, "
               "one torch thread, AdamW", "data": describe(token_dir), "trees": revisions,
               "measured": "tokens/s over `steps` training steps after `warmup_steps`, the stream's batches fetched "
