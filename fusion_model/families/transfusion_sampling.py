@@ -22,7 +22,7 @@ family module can import it from `generate` without an import cycle.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -41,6 +41,8 @@ from tokenizer.vocab import LatentImage
 
 # A chunk fed to the decoder for one row: its ids and the clean latent patch at each position (zeros off images).
 Chunk = tuple[list[int], torch.Tensor]
+# predict(x_t (n, P, D), t) -> (conditional noise, unconditional noise or None): one DDIM step's denoiser
+Predictor = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 @dataclass
@@ -154,7 +156,7 @@ class CachedRows(_Decoder):
         self.next_pos += lengths.cpu()
         return self.last_logits(hidden, lengths)
 
-    def denoiser(self, rows: list[int], guided: bool, patches: int):
+    def denoiser(self, rows: list[int], guided: bool, patches: int) -> Predictor:
         """predict(x_t (n, P, D), t) -> (conditional, unconditional or None) noise of the images the rows open.
 
         The rows' cached keys and values are copied once into a cache of their own (the unconditional copies get
@@ -213,7 +215,7 @@ class FullRows(_Decoder):
                 self.rows[b] = (ids + chunk[0], torch.cat([latents, chunk[1]]))
         return self._logits()
 
-    def denoiser(self, rows: list[int], guided: bool, patches: int):
+    def denoiser(self, rows: list[int], guided: bool, patches: int) -> Predictor:
         """predict(x_t, t) -> (conditional, unconditional or None) noise: the conditional rows are the whole
         sequence with the image at its end, the unconditional ones `<boi>` and the image alone at the same
         positions."""
@@ -363,17 +365,26 @@ class _Sampler:
                     latents = torch.zeros(self.patches + 2, rows.latent_dim)
                     latents[1:-1] = clean[i]
                     chunks[b] = (rows.image_chunk(self.patches) + [vocab.eoi_id], latents)
-                mask = torch.zeros(n, dtype=torch.bool, device=self.device)
-                mask[opened] = True
-                for _ in range(self.patches):
-                    self.take(torch.full_like(token, self.family.options.image_placeholder_id), mask, None)
-                self.take(torch.full_like(token, vocab.eoi_id), mask, None)
+                self.close_images(opened, token)
             still = (~rules.done).tolist()
             if not any(still):
                 return
             chunks = [chunk if still[b] else None for b, chunk in enumerate(chunks)]
             logits = rows.feed(chunks)
             self.stats["image_writes"] += int(any(chunks[b] is not None for b in opened))
+
+    def close_images(self, opened: list[int], token: torch.Tensor) -> None:
+        """The `opened` rows take their image's placeholders and `<eoi>` (`<boi>` was allowed only where all of them
+        fit, so none of these rows finishes inside its image)."""
+        placeholder, eoi = self.family.options.image_placeholder_id, self.vocab.eoi_id
+        for b in opened:
+            self.new_ids[b] += [placeholder] * self.patches + [eoi]
+        mask = torch.zeros_like(self.rules.done)
+        mask[opened] = True
+        placeholders = torch.full_like(token, placeholder)
+        for _ in range(self.patches):  # the rules count an image's positions one by one
+            self.rules.advance(placeholders, mask)
+        self.rules.advance(torch.full_like(token, eoi), mask)
 
     def denoise(self, rows: CachedRows | FullRows, opened: list[int]) -> torch.Tensor:
         """DDIM from pure noise for the images the `opened` rows start: their clean latent patches (n, P, D)."""

@@ -294,6 +294,22 @@ def replace_config(config: DiffusionSamplingConfig, **changes) -> DiffusionSampl
     return replace(config, **changes)
 
 
+@pytest.mark.parametrize("cache", [True, False])
+def test_text_follows_the_samplers_rules_token_for_token(vocab, kl, cache):
+    from fusion_model.sampling import generate_ids
+
+    family, parts = built(vocab, seed=2)
+    with torch.no_grad():  # logits of a few units, as a trained model's, so penalty, top-k and top-p all matter
+        parts["model"].head.weight.mul_(100)
+    prompts = text_prompts(vocab, ["the cat sat on the mat", "a dog"])
+    config = DiffusionSamplingConfig(mode="text", max_new_tokens=12, text_temperature=1.5, text_top_k=3,
+                                     text_top_p=0.9, repetition_penalty=1.3, seed=3, use_kv_cache=cache)
+    got = ts.sample(family, parts, vocab, prompts, config, kl.grid_shape).ids
+    # a text-only prompt never reaches the patch projections: the decoder alone through the chameleon sampler
+    expected = generate_ids(parts["model"], vocab, [ids for ids, _ in prompts], config)
+    assert got == expected and all(len(ids) == 12 for ids in got)
+
+
 def test_settings_it_cannot_honour_are_refused_in_a_sentence(vocab, kl, files):
     family, parts = built(vocab)
     prompts = [["the cat"]]
