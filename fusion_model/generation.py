@@ -106,6 +106,10 @@ def generate(
 
     With return_ids, also returns the generated ids of each prompt.
     """
+    if getattr(image_tokenizer, "kind", "vq") != "vq":
+        raise ValueError("the image tokenizer is a continuous one (latents, for a transfusion checkpoint); this "
+                         "model samples image codes: pass the VQ image tokenizer bundle its token shards were made "
+                         "with (--image-tokenizer)")
     check_compatible(model=model.config, vocab=vocab, image_tokenizer=image_tokenizer)
     if image_tokenizer is not None:
         grid = tuple(image_tokenizer.grid_shape)

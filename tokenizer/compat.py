@@ -39,7 +39,8 @@ def check_compatible(
         image_tokenizer_fingerprint = image_tokenizer.fingerprint()
     if model is not None:
         _model_fits(model, vocab, shards, shards_dir, seq_len, training)
-    if vocab is not None and image_tokenizer is not None:
+    # a continuous tokenizer (latents at `<image>` placeholders) has no codes to match the vocabulary's image block
+    if vocab is not None and image_tokenizer is not None and getattr(image_tokenizer, "kind", "vq") == "vq":
         codebook = getattr(getattr(image_tokenizer, "config", None), "codebook_size", None)
         if codebook is not None and codebook != vocab.image_codes:
             raise CompatibilityError(

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from fusion_model import cli
+from fusion_model.demo.experiments import EXPERIMENTS
 
 # cli's table (vocab ... convert) followed by this layer's commands, in the order `--help` lists them.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     **cli.SUBCOMMANDS,
     "demo": ("fusion_model.demo.pipeline", "run the end-to-end demo on built-in offline data, with a report"),
+    # the experiments' own registry names them: a new experiment is one module and one line there
     "experiment": ("fusion_model.demo.experiments",
-                   "on the demo's data: early vs late fusion (fusion), dense vs Mixture-of-Transformers (mot)"),
+                   "on the demo's data: " + ", ".join(f"{what} ({name})" for name, (_, what) in EXPERIMENTS.items())),
 }
 
 

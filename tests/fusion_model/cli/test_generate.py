@@ -228,3 +228,28 @@ def test_train_py_generate_with_cfg_scale_nan_exits_2_with_one_line(files, tmp_p
     assert done.returncode == 2
     assert done.stderr == "train.py generate: SamplingConfig.cfg_scale=nan must be a finite number (--cfg-scale)\n"
     assert done.stdout == "" and not (tmp_path / "x").exists()
+
+
+def test_a_continuous_image_tokenizer_is_refused_for_a_checkpoint_of_image_codes(files, tmp_path, capsys,
+                                                                                 tiny_vq_config):
+    import dataclasses
+
+    from tokenizer.image import build_image_tokenizer
+
+    continuous = build_image_tokenizer(dataclasses.replace(tiny_vq_config, bottleneck="kl"))
+    assert continuous.kind == "continuous"
+    continuous.save_pretrained(tmp_path / "kl")
+    assert cli.main(["generate", "--checkpoint", str(files / "model.ckpt"), "--out", str(tmp_path / "x"),
+                     "--vocab", str(files / "tokenizer.json"), "--image-tokenizer", str(tmp_path / "kl"),
+                     "--mode", "image", "--prompt", "a cat"]) == 2
+    err = capsys.readouterr().err
+    assert "continuous" in err or "another image tokenizer" in err, err  # the kind, or the shards' fingerprint
+    assert len(err.strip().splitlines()) == 1, err
+
+    from fusion_model.generation import generate
+    from fusion_model.sampling import SamplingConfig
+    from tokenizer.vocab import UnifiedVocab
+
+    with pytest.raises(ValueError, match="continuous one .* pass the VQ image tokenizer bundle"):
+        # the model is never reached: the kind is checked first
+        generate(None, UnifiedVocab.load(files / "tokenizer.json"), continuous, [["a cat"]], SamplingConfig())
