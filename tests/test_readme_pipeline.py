@@ -3,6 +3,7 @@ block runs (small sizes via documented flags appended), in a fresh folder, outpu
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -75,7 +76,7 @@ def test_the_readme_commands_run_as_written_on_new_data(tmp_path):
     (tmp_path / "configs").symlink_to(REPO / "configs")
     (tmp_path / "train.py").symlink_to(REPO / "train.py")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    outputs, late_fusion, caption, mixture = {}, "", "", ""
+    outputs, late_fusion, caption, mixture, transfusion, diffused = {}, "", "", "", "", ""
     for index, command in enumerate(commands):
         step = step_of(command)
         if step in SKIPPED:
@@ -93,6 +94,10 @@ def test_the_readme_commands_run_as_written_on_new_data(tmp_path):
             mixture = text
         if "configs/fusion/late/" in command:
             late_fusion = text
+        if "--model.family transfusion" in command:
+            transfusion = text
+        if step == "generate" and "runs/small-transfusion/" in command:
+            diffused = text
         if step == "generate" and "runs/late/" in command:
             caption = text
 
@@ -112,6 +117,13 @@ def test_the_readme_commands_run_as_written_on_new_data(tmp_path):
     # the late-fusion checkpoint captions the picture through the same generate: text out, no image files
     assert "prompt: <image: my_images/cat.png>a photo of" in caption and "output: " in caption, caption
     assert "generate: 1 samples, 0 generated image files" in caption, caption
+    # Transfusion: a continuous tokenizer's latents in the shards, trained with the diffusion loss beside the text's
+    assert (tmp_path / "runs/tokenizer-kl/tokenizer/config.json").is_file()
+    latents = json.loads((tmp_path / "runs/tokens-latents/manifest.json").read_text())
+    assert latents["feature_kind"] == "latent" and latents["latent"]["channels"] == 8, latents
+    assert "done: step 3/3" in transfusion and (tmp_path / "runs/small-transfusion/checkpoints/last.ckpt").is_file()
+    drawn = re.findall(r"<image: ([^>]+)>", diffused)
+    assert drawn and all((tmp_path / path).is_file() for path in drawn), diffused[-2000:]
 
 
 @pytest.mark.parametrize("command", readme_commands())
