@@ -36,7 +36,13 @@ from fusion_model.demo.datasets import (
 )
 from fusion_model.demo.fusion_experiment import fit
 from fusion_model.demo.settings import DemoConfig, load_config
-from fusion_model.demo.stages import digits_for, load_image_tokenizer, load_vocab, require_outputs
+from fusion_model.demo.stages import (
+    digits_for,
+    experiment_parser,
+    load_image_tokenizer,
+    load_vocab,
+    require_outputs,
+)
 from tokenizer.files import atomic_write_json, atomic_write_text
 
 MODALITIES = ("text", "image")
@@ -503,28 +509,16 @@ def write_plots(record: dict, folder: Path) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `train.py experiment mot` options."""
-    parser = argparse.ArgumentParser(prog="train.py experiment mot", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = MoTExperimentConfig()
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny sizes and a few steps on the smoke demo's outputs (runs/demo-smoke), about a minute")
-    parser.add_argument("--demo", default=None, help=f"the demo preset whose outputs are reused (default: "
-                        f"{defaults.demo}; smoke with --smoke)")
-    parser.add_argument("--demo-dir", default=None, help="the finished demo's folder (default: the preset's out_dir)")
-    parser.add_argument("--out", default=None, help=f"output folder (default: {defaults.out_dir})")
-    parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=None,
-                        help=f"decoder sizes (default: {' '.join(defaults.sizes)})")
+    parser = experiment_parser("mot", __doc__, defaults, SIZES, "tiny sizes and a few steps on the smoke demo's "
+                               "outputs (runs/demo-smoke), about a minute")
     parser.add_argument("--steps", nargs="+", type=int, default=None,
                         help=f"optimizer steps at each size (default: {' '.join(map(str, defaults.steps))})")
-    parser.add_argument("--ablation-size", default=None, help=f"default: {defaults.ablation_size}")
     for name in ("evaluations", "held_out_arithmetic", "understanding_examples", "speed_rounds", "speed_steps",
                  "seed"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
                             help=f"default: {getattr(defaults, name)}")
     parser.add_argument("--smoothing", type=float, default=None, help=f"default: {defaults.smoothing}")
-    parser.add_argument("--reuse", action="store_true",
-                        help="keep runs already finished with the same options (resume an interrupted experiment)")
-    parser.add_argument("--threads", default="auto", help="torch threads: auto = the cores other processes leave idle")
     return parser
 
 

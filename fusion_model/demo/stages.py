@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 import shutil
 import time
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -54,6 +57,26 @@ def require_outputs(out_dir: Path, preset: str, needed: tuple[str, ...], what: s
         if not (out_dir / name).exists():
             raise FileNotFoundError(f"{out_dir / name} is missing: run `python train.py demo --preset {preset}` first "
                                     f"(the experiment reuses its {what}) or pass --demo-dir")
+
+
+def experiment_parser(name: str, description: str | None, defaults: Any, sizes: Iterable[str],
+                      smoke_help: str) -> argparse.ArgumentParser:
+    """The options every `train.py experiment NAME` shares (--smoke, --demo, --demo-dir, --out, --sizes,
+    --ablation-size, --reuse, --threads), over `defaults` (its config dataclass); the caller adds its own."""
+    parser = argparse.ArgumentParser(prog=f"train.py experiment {name}", description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help=smoke_help)
+    parser.add_argument("--demo", default=None, help=f"the demo preset whose outputs are reused (default: "
+                        f"{defaults.demo}; smoke with --smoke)")
+    parser.add_argument("--demo-dir", default=None, help="the finished demo's folder (default: the preset's out_dir)")
+    parser.add_argument("--out", default=None, help=f"output folder (default: {defaults.out_dir})")
+    parser.add_argument("--sizes", nargs="+", choices=list(sizes), default=None,
+                        help=f"decoder sizes (default: {' '.join(defaults.sizes)})")
+    parser.add_argument("--ablation-size", default=None, help=f"default: {defaults.ablation_size}")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep runs already finished with the same options (resume an interrupted experiment)")
+    parser.add_argument("--threads", default="auto", help="torch threads: auto = the cores other processes leave idle")
+    return parser
 
 
 def load_decoder(out_dir: Path):

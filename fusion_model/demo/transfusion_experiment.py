@@ -36,7 +36,13 @@ from fusion_model.demo.datasets import caption_prompt, parse_digit, to_model_ima
 from fusion_model.demo.fusion_experiment import fit
 from fusion_model.demo.metrics import frechet_distance, per_group_diversity
 from fusion_model.demo.settings import DemoConfig, load_config
-from fusion_model.demo.stages import digits_for, load_image_tokenizer, load_vocab, require_outputs
+from fusion_model.demo.stages import (
+    digits_for,
+    experiment_parser,
+    load_image_tokenizer,
+    load_vocab,
+    require_outputs,
+)
 from tokenizer.files import atomic_write_json, atomic_write_text
 
 # Decoder sizes over the `demo` preset (d 128, 4 layers, 4 heads, FFN 384): head width 32 and FFN ratio 3x kept.
@@ -616,26 +622,14 @@ def write_plots(record: dict, folder: Path) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     """The `train.py experiment transfusion` options."""
-    parser = argparse.ArgumentParser(prog="train.py experiment transfusion", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     defaults = TransfusionExperimentConfig()
-    parser.add_argument("--smoke", action="store_true",
-                        help="tiny sizes and a few steps on the smoke demo's outputs (runs/demo-smoke)")
-    parser.add_argument("--demo", default=None, help=f"the demo preset whose outputs are reused (default: "
-                        f"{defaults.demo}; smoke with --smoke)")
-    parser.add_argument("--demo-dir", default=None, help="the finished demo's folder (default: the preset's out_dir)")
-    parser.add_argument("--out", default=None, help=f"output folder (default: {defaults.out_dir})")
-    parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=None,
-                        help=f"decoder sizes (default: {' '.join(defaults.sizes)})")
+    parser = experiment_parser("transfusion", __doc__, defaults, SIZES,
+                               "tiny sizes and a few steps on the smoke demo's outputs (runs/demo-smoke)")
     parser.add_argument("--budgets", nargs="+", type=int, default=None,
                         help=f"optimizer steps, each size trains each (default: {' '.join(map(str, defaults.budgets))})")
-    parser.add_argument("--ablation-size", default=None, help=f"default: {defaults.ablation_size}")
     for name in ("ddim_steps", "images_per_caption", "understanding_examples", "held_out_arithmetic", "seed"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
                             help=f"default: {getattr(defaults, name)}")
-    parser.add_argument("--reuse", action="store_true",
-                        help="keep runs already finished with the same options (resume an interrupted experiment)")
-    parser.add_argument("--threads", default="auto", help="torch threads: auto = the cores other processes leave idle")
     return parser
 
 
