@@ -204,6 +204,9 @@ def run(args: argparse.Namespace) -> dict[str, Path]:
     prompts = [p for p in read_prompts(args) for _ in range(args.num_samples)]
     dtype = getattr(torch, args.dtype)
     loaded = load_family(args.checkpoint)  # any family's checkpoint; the family says how it samples
+    if isinstance(config, DiffusionSamplingConfig) and not hasattr(loaded.family, "denoise"):
+        raise ValueError(f"--denoising-steps applies to a checkpoint whose images come from a diffusion model (a "
+                         f"family with `denoise`, e.g. transfusion); {args.checkpoint} is a {loaded.family.name} one")
     for part in loaded.parts.values():
         part.to(device=args.device, dtype=dtype).eval()
     bundled_vocab = Path(args.checkpoint) / "tokenizer.json"  # a transformers directory carries its vocabulary

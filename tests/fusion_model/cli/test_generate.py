@@ -253,3 +253,10 @@ def test_a_continuous_image_tokenizer_is_refused_for_a_checkpoint_of_image_codes
     with pytest.raises(ValueError, match="continuous one .* pass the VQ image tokenizer bundle"):
         # the model is never reached: the kind is checked first
         generate(None, UnifiedVocab.load(files / "tokenizer.json"), continuous, [["a cat"]], SamplingConfig())
+
+
+def test_denoising_steps_are_refused_for_a_checkpoint_that_samples_codes(files, tmp_path, capsys):
+    assert cli.main(["generate", "--checkpoint", str(files / "model.ckpt"), "--out", str(tmp_path / "x"),
+                     "--vocab", str(files / "tokenizer.json"), "--mode", "text", "--denoising-steps", "20"]) == 2
+    assert "--denoising-steps applies to a checkpoint whose images come from a diffusion model" in \
+        capsys.readouterr().err
