@@ -39,6 +39,7 @@ from fusion_model.config import FusionConfig
 from fusion_model.diffusion import CosineSchedule
 from fusion_model.families.base import Family, LossSettings, LossTerm, Objective, ObjectiveContext
 from fusion_model.families.chameleon import next_token_objective
+from fusion_model.families.transfusion_unet import UNetPatches
 from fusion_model.loss import fusion_loss_from_hidden, target_counts
 from fusion_model.model import FusionModel
 from tokenizer.layout import patchify, unpatchify
@@ -56,7 +57,12 @@ class TransfusionOptions:
     diffusion_steps: N of the cosine schedule; caption_dropout: the probability that an image is trained
     unconditionally; image_bidirectional: full attention inside each image (false: causal, the ablation);
     max_t_image_first: the largest step drawn for an image that opens its document and is followed by text
-    (paper, Table 8: captioning sees less noisy images), None for no limit.
+    (paper, Table 8: captioning sees less noisy images), None for no limit;
+    patch_encoder: "linear" (a linear layer in and out, `LatentPatches`) or "unet" (U-Net down and up blocks with
+    skip connections, `fusion_model.families.transfusion_unet`; paper, Table 7); latent_grid: [h, w] of every
+    image's latents (the U-Net's grid; fit takes it from the shards when patch_encoder is "unet");
+    unet_channels, unet_blocks: the U-Net's width at the latent resolution (doubling per downsampling) and ResNet
+    blocks per resolution and path.
     """
 
     latent_channels: int | None = None
@@ -67,6 +73,10 @@ class TransfusionOptions:
     caption_dropout: float = 0.1
     image_bidirectional: bool = True
     max_t_image_first: int | None = 500
+    patch_encoder: str = "linear"
+    latent_grid: tuple[int, int] | None = None
+    unet_channels: int = 64
+    unet_blocks: int = 2
 
     def __post_init__(self) -> None:
         def fail(name: str, rule: str) -> None:
@@ -94,6 +104,19 @@ class TransfusionOptions:
             fail("caption_dropout", "it must be a number with 0 <= caption_dropout < 1")
         if not isinstance(self.image_bidirectional, bool):
             fail("image_bidirectional", "it must be true or false")
+        if self.patch_encoder not in ("linear", "unet"):
+            fail("patch_encoder", 'it must be "linear" or "unet"')
+        for name in ("unet_channels", "unet_blocks"):
+            if not is_int(getattr(self, name)) or getattr(self, name) <= 0:
+                fail(name, "it must be a positive integer")
+        if self.latent_grid is not None:
+            grid = self.latent_grid
+            if isinstance(grid, str) or not hasattr(grid, "__len__") or len(grid) != 2 or not all(
+                    is_int(side) and side > 0 for side in grid):
+                fail("latent_grid", "it must be [height, width], two positive integers")
+            object.__setattr__(self, "latent_grid", (int(grid[0]), int(grid[1])))
+            if is_int(self.patch_size) and (grid[0] % self.patch_size or grid[1] % self.patch_size):
+                fail("latent_grid", f"patch_size {self.patch_size} must divide its height and width")
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> TransfusionOptions:
@@ -261,6 +284,9 @@ class TransfusionFamily(Family):
         if missing:
             raise ValueError(f"the transfusion family needs model.family_options {missing} (train.py fit takes them "
                              "from the token shards' manifest, the placeholder id also from the vocabulary)")
+        if options.patch_encoder == "unet" and options.latent_grid is None:
+            raise ValueError("the transfusion family's U-Net patch encoder needs model.family_options latent_grid "
+                             "[height, width] (train.py fit takes it from the token shards' manifest)")
         if config.image_placeholder_id not in (None, options.image_placeholder_id):
             raise ValueError(f"model.config.image_placeholder_id {config.image_placeholder_id} and "
                              f"model.family_options.image_placeholder_id {options.image_placeholder_id} disagree: "
@@ -272,7 +298,8 @@ class TransfusionFamily(Family):
     @classmethod
     def derive_options(cls, options: dict, manifest: Mapping[str, Any], vocab: Any | None) -> None:
         """latent_channels and patch_size from the token shards' manifest (`latent: {channels, grid, patch_size}`,
-        written for a continuous image tokenizer), image_placeholder_id from it or the vocabulary's `<image>`."""
+        written for a continuous image tokenizer), image_placeholder_id from it or the vocabulary's `<image>`;
+        latent_grid from it too when patch_encoder is "unet" (the linear encoder does not need it)."""
         latent = manifest.get("latent") or {}
         known = {"latent_channels": latent.get("channels"), "patch_size": latent.get("patch_size"),
                  "image_placeholder_id": manifest.get("image_placeholder_id")}
@@ -281,19 +308,35 @@ class TransfusionFamily(Family):
         for name, value in known.items():
             if value is not None:
                 options.setdefault(name, int(value))
+        if options.get("patch_encoder") == "unet" and latent.get("grid") is not None:
+            options.setdefault("latent_grid", [int(side) for side in latent["grid"]])
 
     def flops_per_token(self, seq_len: int) -> float:
         """The decoder's FLOPs plus the patch projections and the timestep MLP (6 x their weights), counted at
-        every position: an upper bound, since text positions skip them."""
+        every position: an upper bound, since text positions skip them. With the U-Net, 6 x its weights times
+        their uses per patch position (`UNetPatches.matmul_parameters`, counted on a meta-device copy)."""
         o, d = self.options, self.config.dim
+        if o.patch_encoder == "unet":
+            with torch.device("meta"):
+                unet = self.latent_patches()
+            return self.config.flops_per_token(seq_len) + 6.0 * unet.matmul_parameters()
         added = 2 * o.latent_dim * d + TIMESTEP_FREQUENCIES * d + d * d
         return self.config.flops_per_token(seq_len) + 6.0 * added
 
     # ---- parts --------------------------------------------------------------------------------------------------
     def build(self) -> dict[str, nn.Module]:
-        """`model` (the decoder, its config carrying the placeholder id) and `patches` (LatentPatches)."""
-        return {"model": FusionModel(self.config),
-                "patches": LatentPatches(self.options.latent_dim, self.config.dim, self.config.init_std)}
+        """`model` (the decoder, its config carrying the placeholder id) and `patches` (LatentPatches, or
+        UNetPatches with patch_encoder "unet")."""
+        return {"model": FusionModel(self.config), "patches": self.latent_patches()}
+
+    def latent_patches(self) -> nn.Module:
+        """The `patches` part: the linear projections or the U-Net (patch_encoder)."""
+        o, config = self.options, self.config
+        if o.patch_encoder == "unet":
+            return UNetPatches(o.latent_channels, o.patch_size, o.latent_grid, config.dim, config.init_std,
+                               time=TimestepEmbedding(config.dim), time_dim=config.dim, channels=o.unet_channels,
+                               blocks=o.unet_blocks)
+        return LatentPatches(o.latent_dim, config.dim, config.init_std)
 
     def parallelize(self, parts: Mapping[str, nn.Module], mesh: Any) -> None:
         """Refused: the objective calls the decoder's embedding, forward_hidden and head outside an FSDP forward."""
