@@ -287,6 +287,9 @@ def sample(family: Any, parts: Mapping[str, nn.Module], vocab: Any, prompts: lis
         if latent_grid[0] % k or latent_grid[1] % k:
             raise ValueError(f"the image tokenizer's latent grid {latent_grid} is not a multiple of the checkpoint's "
                              f"patch_size {k}")
+        if getattr(options, "latent_grid", None) not in (None, tuple(latent_grid)):
+            raise ValueError(f"the image tokenizer's latent grid {tuple(latent_grid)} is not the {options.latent_grid} "
+                             "the checkpoint's U-Net patch encoder was built for: use the tokenizer it was trained with")
         patch_grid = (latent_grid[0] // k, latent_grid[1] // k)
     device = next(model.parameters()).device
     rules_config = replace(config, image_grid=patch_grid)

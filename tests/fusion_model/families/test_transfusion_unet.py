@@ -280,6 +280,9 @@ def test_the_samplers_cached_path_gives_the_full_recompute_with_the_unet(tiny_to
     for got_row, expected_row in zip(cached.latents, full.latents):
         assert len(got_row) == len(expected_row) == 1 and got_row[0].shape == (C, *GRID)
         torch.testing.assert_close(got_row[0], expected_row[0], rtol=1e-4, atol=1e-4)
+    # the same number of patches on another grid would run the convolutions on the wrong shape: refused
+    with pytest.raises(ValueError, match=r"latent grid \(6, 4\) is not the \(4, 6\) the checkpoint's U-Net"):
+        ts.sample(fam, parts, vocab, prompts, settings, (6, 4))
 
 
 def test_flops_per_token_count_the_unets_matrix_products_per_patch():
