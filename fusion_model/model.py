@@ -542,6 +542,27 @@ class FusionModel(nn.Module):
             chunk_size=chunk_size,
         )
 
+    def hidden_and_loss(self, input_ids: torch.Tensor, document_ids: torch.Tensor,
+                        position_ids: torch.Tensor | None = None, *, replace: torch.Tensor | None = None,
+                        replacement: torch.Tensor | None = None, visible_from: torch.Tensor | None = None,
+                        ignore_id: int | None = None, text_weight: float = 1.0, image_weight: float = 1.0,
+                        chunk_size: int = 4096) -> tuple[torch.Tensor, dict]:
+        """(final hidden states, fusion_loss_from_hidden's dict) with `replacement` (N, dim) in place of the
+        embeddings at the N positions where `replace` (B, T) is true (Transfusion's latent patches), `ignore_id`'s
+        targets left out. One method, so FSDP2 gathers the embedding, final norm and head around all their uses
+        (families register it with `register_fsdp_forward_method`, as `loss`)."""
+        embeds = self.embed(input_ids)
+        if replace is not None:
+            embeds = embeds.masked_scatter(replace[..., None], replacement.to(embeds.dtype))
+        hidden = self.forward_hidden(input_ids, position_ids, document_ids, inputs_embeds=embeds,
+                                     visible_from=visible_from)
+        out = fusion_loss_from_hidden(
+            hidden, self.head.weight, input_ids, document_ids, image_offset=self.config.image_offset,
+            image_codes=self.config.image_codes, z_loss_coef=self.config.z_loss_coef, text_weight=text_weight,
+            image_weight=image_weight, chunk_size=chunk_size, ignore_id=ignore_id,
+        )
+        return hidden, out
+
     # ---- utilities ------------------------------------------------------------------------------
     def new_kv_cache(self, batch_size: int, max_len: int | None = None, device: torch.device | str | None = None,
                      dtype: torch.dtype | None = None) -> KVCache:

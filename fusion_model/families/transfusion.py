@@ -40,7 +40,7 @@ from fusion_model.diffusion import CosineSchedule
 from fusion_model.families.base import Family, LossSettings, LossTerm, Objective, ObjectiveContext
 from fusion_model.families.chameleon import next_token_objective
 from fusion_model.families.transfusion_unet import UNetPatches
-from fusion_model.loss import fusion_loss_from_hidden, target_counts
+from fusion_model.loss import target_counts
 from fusion_model.model import FusionModel
 from tokenizer.layout import patchify, unpatchify
 
@@ -339,9 +339,16 @@ class TransfusionFamily(Family):
         return LatentPatches(o.latent_dim, config.dim, config.init_std)
 
     def parallelize(self, parts: Mapping[str, nn.Module], mesh: Any) -> None:
-        """Refused: the objective calls the decoder's embedding, forward_hidden and head outside an FSDP forward."""
-        raise ValueError("the transfusion family does not run under ModelParallelStrategy (FSDP2) yet: train it with "
-                         "--trainer.strategy=ddp (or auto on one device)")
+        """FSDP2 as `Family.parallelize` shards (each block, then each part's root), with the two other calls the
+        training forward makes registered as FSDP forwards: the decoder's `hidden_and_loss` (the embedding, final
+        norm and head are used only inside it) and `patches.embed` (patch_in and the timestep MLP; `patches`' own
+        forward is patch_out). `patches` is then used twice an iteration: each use's gradients are reduce-scattered
+        when its backward ends, and the shards add up. Sampling (`predict`) is not sharded."""
+        from torch.distributed.fsdp import register_fsdp_forward_method
+
+        super().parallelize(parts, mesh)
+        register_fsdp_forward_method(parts["model"], "hidden_and_loss")
+        register_fsdp_forward_method(parts["patches"], "embed")
 
     # ---- training -------------------------------------------------------------------------------------------
     def layout(self, batch: Mapping[str, torch.Tensor]) -> ImageLayout:
@@ -406,15 +413,26 @@ class TransfusionFamily(Family):
     def training_forward(self, parts: Mapping[str, nn.Module], batch: Mapping[str, torch.Tensor],
                          context: ObjectiveContext) -> tuple[DiffusionDraws, torch.Tensor, torch.Tensor]:
         """(the draws, final hidden states, predicted noise per patch) of one training micro-batch."""
+        return self.training_outputs(parts, batch, context)[:3]
+
+    def training_outputs(self, parts: Mapping[str, nn.Module], batch: Mapping[str, torch.Tensor],
+                         context: ObjectiveContext) -> tuple[DiffusionDraws, torch.Tensor, torch.Tensor, dict]:
+        """`training_forward` and the text loss (fusion_loss_from_hidden's dict): `predict`'s computation, with the
+        decoder's embedding, final norm and head used inside one call, `FusionModel.hidden_and_loss` (FSDP2
+        gathers them around it; `parallelize`)."""
         draws = self.draws(batch, context)
         layout, ids = draws.layout, batch["input_ids"]
         visible = None
         if context.training and self.options.caption_dropout > 0:
             visible = visible_from(layout, draws.dropped, ids.shape)
-        hidden, predicted = self.predict(parts, ids, layout, draws.noisy, draws.timesteps[layout.patch_image()],
-                                         document_ids=batch["document_ids"], position_ids=batch.get("position_ids"),
-                                         visible=visible)
-        return draws, hidden, predicted
+        model, patches = parts["model"], parts["patches"]
+        embedded = patches.embed(draws.noisy, draws.timesteps[layout.patch_image()])
+        hidden, out = model.hidden_and_loss(
+            ids, batch["document_ids"], batch.get("position_ids"), replace=layout.is_patch, replacement=embedded,
+            visible_from=visible, ignore_id=self.options.image_placeholder_id, text_weight=self.losses.text_weight,
+            image_weight=self.losses.image_weight, chunk_size=self.losses.chunk_size,
+        )
+        return draws, hidden, patches(hidden[layout.is_patch]).float(), out
 
     def per_image_mse(self, predicted: torch.Tensor, draws: DiffusionDraws) -> torch.Tensor:
         """(N,) each image's mean squared noise error over its patch values."""
@@ -427,14 +445,8 @@ class TransfusionFamily(Family):
                   context: ObjectiveContext) -> Objective:
         """`text`: CE + z-loss over the text targets; `diffusion` (weight lambda): per-image noise MSE, one unit per
         image."""
-        draws, hidden, predicted = self.training_forward(parts, batch, context)
-        config, ids, documents = self.config, batch["input_ids"], batch["document_ids"]
-        out = fusion_loss_from_hidden(
-            hidden, parts["model"].head.weight, ids, documents, image_offset=config.image_offset,
-            image_codes=config.image_codes, z_loss_coef=config.z_loss_coef, text_weight=self.losses.text_weight,
-            image_weight=self.losses.image_weight, chunk_size=self.losses.chunk_size,
-            ignore_id=self.options.image_placeholder_id,
-        )
+        draws, _, predicted, out = self.training_outputs(parts, batch, context)
+        documents = batch["document_ids"]
         text = next_token_objective(out, self.losses, (documents >= 0).sum())
         mse = self.per_image_mse(predicted, draws)
         images = torch.tensor(float(draws.layout.count), device=mse.device)

@@ -191,6 +191,53 @@ def fsdp2_steps(rank: int, world: int, port: int, config: dict, weights: str, ba
         dist.destroy_process_group()
 
 
+def family_fsdp2_steps(rank: int, world: int, port: int, family_name: str, config: dict, options: dict,
+                       weights: str, batches: str, out: str, lr: float = 1e-3) -> None:
+    """Rank `rank` of `world` CPU processes (gloo): the family's parts with `weights` ({part: state dict}), sharded
+    by the family's `parallelize` (FSDP2), take one AdamW step per batch of `batches` ({"steps": [[rank 0's batch,
+    rank 1's, ...], ...]}) at `lr`, each rank's loss over the step's global counts (as the Lightning module divides);
+    rank 0 saves each step's loss summed over ranks, the full gradients and the full weights after it
+    (`part.name`) to `out`. Start it with spawn (tests/fusion_model/training/test_transfusion_fsdp.py)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fusion_model.config import FusionConfig
+    from fusion_model.families import family_class
+    from fusion_model.families.base import ObjectiveContext
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        family = family_class(family_name)(FusionConfig.from_dict(config), options)
+        parts = family.build()
+        for name, state in torch.load(weights, weights_only=True).items():
+            parts[name].load_state_dict(state)
+        family.parallelize(parts, init_device_mesh("cpu", (world,)))
+        named = {f"{part}.{name}": p for part, module in parts.items() for name, p in module.named_parameters()}
+        optimizer = torch.optim.AdamW(named.values(), lr=lr)
+        record: dict = {"losses": [], "grads": [], "weights": []}
+        for index, step in enumerate(torch.load(batches, weights_only=True)["steps"]):
+            counted = [family.denominators(batch) for batch in step]
+            objective = family.objective(parts, step[rank], ObjectiveContext(step=index))
+            totals = torch.stack([sum(c[name] for c in counted) for name in objective.terms])
+            loss = objective.loss(totals)
+            (loss * world).backward()  # FSDP2 averages the ranks' gradients: this makes it their sum
+            summed = loss.detach().clone()
+            dist.all_reduce(summed)
+            record["losses"].append(summed)
+            record["grads"].append({name: p.grad.full_tensor() for name, p in named.items()})
+            optimizer.step()
+            optimizer.zero_grad()
+            record["weights"].append({f"{part}.{key}": value for part, module in parts.items()
+                                      for key, value in full_state_dict(module).items()})
+        if rank == 0:
+            torch.save(record, out)
+        dist.barrier()  # no rank tears gloo down while another still uses it
+    finally:
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     torch.set_num_threads(int(os.environ.get("FIT_THREADS", "1")))
     sys.path.insert(0, str(HERE))  # so the CLI can import fit_worker.Recorder
