@@ -30,6 +30,9 @@ from tokenizer.files import atomic_open, atomic_write_json
 INDEX_FORMAT = "early-fusion-dataset-index/1"
 PLAN_DIR = "plans"
 NAMES_FILE = "names.npy"
+# From this many shards on, making the index or the row counts at start is worth a line on stderr (it reads every
+# shard's entry or offsets: seconds and more); below it, it is milliseconds, and a refused `fit` keeps its one line.
+NOTICE_SHARDS = 1_000
 
 
 def pack_rows(lengths: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -262,8 +265,8 @@ def _load_index(token_dir: Path) -> tuple[DatasetIndex | None, str]:
 
 def read_index(token_dir: str | Path) -> DatasetIndex:
     """The index of `token_dir`, in O(1) plus a map of its names when it is fresh; when it is missing or stale, made
-    from the full manifest (one line on stderr says so) and written back, or kept in memory when the directory is
-    read-only."""
+    from the full manifest (one line on stderr says so from NOTICE_SHARDS shards on) and written back, or kept in
+    memory when the directory is read-only."""
     token_dir = Path(token_dir)
     if not (token_dir / MANIFEST).is_file():
         read_manifest(token_dir)  # raises its message: not a token shard directory, and what to run
@@ -271,14 +274,16 @@ def read_index(token_dir: str | Path) -> DatasetIndex:
     if index is not None:
         return index
     manifest = read_manifest(token_dir)
-    print(f"dataset index: {why}; reading all {len(manifest['shards'])} shards of {token_dir / MANIFEST} (once: "
-          "it is written back)", file=sys.stderr, flush=True)
+    if len(manifest["shards"]) >= NOTICE_SHARDS:
+        print(f"dataset index: {why}; reading all {len(manifest['shards'])} shards of {token_dir / MANIFEST} (once: "
+              "it is written back)", file=sys.stderr, flush=True)
     try:
         return write_index(token_dir, manifest)
     except OSError as err:  # a read-only dataset: the index lives in memory, made again at every start
-        print(f"dataset index: cannot write {token_dir / PLAN_DIR} ({err}); every start will read the whole manifest "
-              f"(run `train.py shards plan {token_dir} --seq-len N` where it can be written)", file=sys.stderr,
-              flush=True)
+        if len(manifest["shards"]) >= NOTICE_SHARDS:
+            print(f"dataset index: cannot write {token_dir / PLAN_DIR} ({err}); every start will read the whole manifest "
+                  f"(run `train.py shards plan {token_dir} --seq-len N` where it can be written)", file=sys.stderr,
+                  flush=True)
         return DatasetIndex(token_dir, {k: v for k, v in manifest.items() if k != "shards"},
                             ShardNames(None, _encode_names(manifest)), manifest_digest(token_dir))
 
@@ -338,13 +343,15 @@ def read_plan(index: DatasetIndex, seq_len: int) -> tuple[np.ndarray | None, str
 
 def load_row_counts(index: DatasetIndex, seq_len: int) -> np.ndarray:
     """Every shard's row count at seq_len: from the plan file (O(shards) int64s); when it is missing or damaged,
-    computed from every shard's offsets (one line on stderr says so) and written back when the directory allows."""
+    computed from every shard's offsets (one line on stderr says so from NOTICE_SHARDS shards on) and written back
+    when the directory allows."""
     counts, why = read_plan(index, seq_len)
     if counts is None:
         token_dir = index.token_dir
-        print(f"row plan: {why}; computing it from the offsets of all {index.num_shards} shards "
-              f"(run `train.py shards plan {token_dir} --seq-len {seq_len}` once to skip this)",
-              file=sys.stderr, flush=True)
+        if index.num_shards >= NOTICE_SHARDS:
+            print(f"row plan: {why}; computing it from the offsets of all {index.num_shards} shards "
+                  f"(run `train.py shards plan {token_dir} --seq-len {seq_len}` once to skip this)",
+                  file=sys.stderr, flush=True)
         counts = np.asarray(compute_row_counts(token_dir, index, seq_len), dtype=np.int64)
         try:
             _atomic_save(plan_path(token_dir, seq_len, index.digest), counts)

@@ -33,6 +33,12 @@ def _stream(token_dir, rank=0, world_size=1, batch_size=2, **kwargs):
                              shuffle_window=WINDOW, **kwargs)
 
 
+@pytest.fixture(autouse=True)
+def notices(monkeypatch):
+    """The index and row-plan lines on stderr for these few shards too (printed from NOTICE_SHARDS shards on)."""
+    monkeypatch.setattr(plan_module, "NOTICE_SHARDS", 0)
+
+
 @pytest.fixture
 def verified(monkeypatch):
     """Names of the shards whose files were size + sha256 checked, in order (background checks included)."""
