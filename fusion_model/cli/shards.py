@@ -286,8 +286,10 @@ def _verify(args: argparse.Namespace) -> int:
         print(f"{len(problems)} of {total} shards in {args.dir} are bad; re-run `train.py shards tokenize` into a "
               "fresh directory")
         return 2
+    latents = (f", {manifest.get('images', 0)} images' latents finite" if manifest.get("feature_kind") == "latent"
+               else "")
     print(f"all {total} shards in {args.dir} are good ({manifest['documents']} documents, {manifest['tokens']} "
-          "tokens)")
+          f"tokens{latents})")
     return 0
 
 

@@ -308,6 +308,12 @@ class TransfusionFamily(Family):
         for name, value in known.items():
             if value is not None:
                 options.setdefault(name, int(value))
+        # the shards fix the patches' layout: an option that disagrees would meet rows of another width at step 1
+        for name in ("latent_channels", "patch_size"):
+            if known[name] is not None and options[name] != int(known[name]):
+                raise ValueError(f"model.family_options {name}={options[name]} but the token shards hold latent "
+                                 f"patches of {name} {known[name]} (their manifest's `latent`): drop the option, or "
+                                 "re-tokenize the images with `shards tokenize --patch-size K` into a fresh directory")
         if options.get("patch_encoder") == "unet" and latent.get("grid") is not None:
             options.setdefault("latent_grid", [int(side) for side in latent["grid"]])
 

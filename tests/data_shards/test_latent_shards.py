@@ -166,6 +166,13 @@ def test_nan_latents_are_refused_when_tokenizing_naming_the_sample(tmp_path, voc
         _tokenize(raw_dir, tmp_path / "out", vocab, ContinuousStandIn(nan_for=int(red)).eval())
 
 
+def test_shards_verify_counts_the_images_whose_latents_it_checked(latent_dir, capsys):
+    token_dir, _ = latent_dir
+    assert cli.main(["shards", "verify", str(token_dir)]) == 0
+    images = read_manifest(token_dir)["images"]
+    assert images > 0 and f"{images} images' latents finite" in capsys.readouterr().out
+
+
 def test_shards_verify_finds_nan_latents_written_by_another_writer(tmp_path, vocab, capsys):
     info = {"vocab_size": vocab.vocab_size, "vocab_fingerprint": "x", "image_tokenizer_fingerprint": "x"}
     doc = vocab.encode_document(["a cat", LatentImage(4)])

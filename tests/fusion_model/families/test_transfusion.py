@@ -132,9 +132,13 @@ def test_derive_options_reads_the_manifest_and_the_vocabulary():
         image_placeholder_id = 6
 
     manifest = {"latent": {"channels": 8, "grid": [32, 32], "patch_size": 2}, "feature_kind": "latent"}
-    options = {"patch_size": 1}
+    options = {"patch_size": 2, "image_placeholder_id": 7}
     TransfusionFamily.derive_options(options, manifest, Vocab())
-    assert options == {"latent_channels": 8, "patch_size": 1, "image_placeholder_id": 6}  # given ones win
+    assert options == {"latent_channels": 8, "patch_size": 2, "image_placeholder_id": 7}  # given ones win
+    # but the patches' layout is the shards': another patch size or channel count is refused in one sentence
+    for name, value in (("patch_size", 1), ("latent_channels", 4)):
+        with pytest.raises(ValueError, match=f"{name}={value} but the token shards hold .*--patch-size"):
+            TransfusionFamily.derive_options({name: value}, manifest, Vocab())
     options = {}
     TransfusionFamily.derive_options(options, {**manifest, "image_placeholder_id": 9}, None)
     assert options == {"latent_channels": 8, "patch_size": 2, "image_placeholder_id": 9}
