@@ -71,7 +71,7 @@ class TransfusionExperimentConfig:
     demo_dir: str | None = None  # default: that preset's out_dir
     out_dir: str = "runs/transfusion"
     sizes: tuple[str, ...] = ("demo", "d192")
-    budgets: tuple[int, ...] = (300, 600)  # optimizer steps; every size trains every budget (8 rows x 256 tokens)
+    budgets: tuple[int, ...] = (150, 300)  # optimizer steps; every size trains every budget (8 rows x 256 tokens)
     ablation_size: str = "demo"  # where transfusion_causal trains (at the largest budget)
     ddim_steps: int = 50
     images_per_caption: int | None = None  # generated per digit (None: the demo's setting)
