@@ -69,12 +69,22 @@ class CosineSchedule:
         return ((x_t.double() - (1 - alpha_bar).sqrt() * noise.double()) / alpha_bar.sqrt()).to(x_t.dtype)
 
     def ddim_step(self, x_t: torch.Tensor, noise: torch.Tensor, t: torch.Tensor,
-                  t_prev: torch.Tensor) -> torch.Tensor:
+                  t_prev: torch.Tensor, clip: float | None = None) -> torch.Tensor:
         """One deterministic DDIM step (eta = 0) from t to t_prev < t: sqrt(alpha_bar_prev) x0_hat +
-        sqrt(1 - alpha_bar_prev) noise; t_prev = -1 gives x0_hat itself."""
+        sqrt(1 - alpha_bar_prev) noise; t_prev = -1 gives x0_hat itself.
+
+        clip: x0_hat clamped to [-clip, clip], and the noise re-derived from the clamped x0_hat (as diffusers'
+        DDIM does). Needed from the cosine schedule's last step: alpha_bar there is 2.4e-9, so x0_hat =
+        (x_t - sqrt(1 - alpha_bar) noise) / sqrt(alpha_bar) multiplies a noise prediction's error by 2e4, and the
+        next step carries it into x_t (a model's samples came out as blobs without it)."""
         x0 = self.predict_x0(x_t, noise, t).double()
+        noise = noise.double()
+        if clip is not None:
+            x0 = x0.clamp(-clip, clip)
+            alpha = _per_item(self.alpha_bar(t), x_t)
+            noise = (x_t.double() - alpha.sqrt() * x0) / (1 - alpha).sqrt()
         alpha_prev = _per_item(self.alpha_bar(t_prev), x_t)
-        return (alpha_prev.sqrt() * x0 + (1 - alpha_prev).sqrt() * noise.double()).to(x_t.dtype)
+        return (alpha_prev.sqrt() * x0 + (1 - alpha_prev).sqrt() * noise).to(x_t.dtype)
 
     def ddim_timesteps(self, num_steps: int) -> torch.Tensor:
         """`num_steps` distinct training steps, evenly spaced from the last (steps - 1) down to 0 (descending)."""
@@ -87,14 +97,15 @@ class CosineSchedule:
 
 
 def ddim_sample(predict_noise: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x_start: torch.Tensor,
-                schedule: CosineSchedule, num_steps: int) -> torch.Tensor:
+                schedule: CosineSchedule, num_steps: int, clip: float | None = None) -> torch.Tensor:
     """Run DDIM (eta = 0) from x_start, pure noise at the schedule's last step, through `num_steps` steps to a clean
-    sample; predict_noise(x_t, t) (t a 0-dim long tensor) returns the predicted noise (guided or not)."""
+    sample; predict_noise(x_t, t) (t a 0-dim long tensor) returns the predicted noise (guided or not); clip: each
+    step's x0 estimate clamped to [-clip, clip] (`CosineSchedule.ddim_step`)."""
     timesteps = schedule.ddim_timesteps(num_steps).tolist() + [-1]
     x = x_start
     for t, t_prev in zip(timesteps[:-1], timesteps[1:]):
         step, previous = torch.tensor(t), torch.tensor(t_prev)
-        x = schedule.ddim_step(x, predict_noise(x, step), step, previous)
+        x = schedule.ddim_step(x, predict_noise(x, step), step, previous, clip)
     return x
 
 

@@ -187,7 +187,7 @@ def guided_ddim(family, parts, ids: torch.Tensor, x_start: torch.Tensor, cfg_sca
                               unconditional=torch.arange(2 * n) >= n)
         return guided_noise(both[:n], both[n:], cfg_scale)
 
-    return ddim_sample(predict, x_start, family.schedule, ddim_steps)
+    return ddim_sample(predict, x_start, family.schedule, ddim_steps, family.options.x0_clip)
 
 
 @torch.no_grad()

@@ -62,7 +62,8 @@ class TransfusionOptions:
     skip connections, `fusion_model.families.transfusion_unet`; paper, Table 7); latent_grid: [h, w] of every
     image's latents (the U-Net's grid; fit takes it from the shards when patch_encoder is "unet");
     unet_channels, unet_blocks: the U-Net's width at the latent resolution (doubling per downsampling) and ResNet
-    blocks per resolution and path.
+    blocks per resolution and path; x0_clip: sampling clamps each DDIM step's clean estimate to [-x0_clip, x0_clip]
+    (the continuous tokenizer scales latents to unit std; null: no clamp), see `CosineSchedule.ddim_step`.
     """
 
     latent_channels: int | None = None
@@ -77,6 +78,7 @@ class TransfusionOptions:
     latent_grid: tuple[int, int] | None = None
     unet_channels: int = 64
     unet_blocks: int = 2
+    x0_clip: float | None = 4.0
 
     def __post_init__(self) -> None:
         def fail(name: str, rule: str) -> None:
@@ -104,6 +106,8 @@ class TransfusionOptions:
             fail("caption_dropout", "it must be a number with 0 <= caption_dropout < 1")
         if not isinstance(self.image_bidirectional, bool):
             fail("image_bidirectional", "it must be true or false")
+        if self.x0_clip is not None and (not is_real(self.x0_clip) or self.x0_clip <= 0):
+            fail("x0_clip", "it must be a finite number > 0 or null")
         if self.patch_encoder not in ("linear", "unet"):
             fail("patch_encoder", 'it must be "linear" or "unet"')
         for name in ("unet_channels", "unet_blocks"):

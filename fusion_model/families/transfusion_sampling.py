@@ -399,7 +399,7 @@ class _Sampler:
             conditional, unconditional = predict(x, t)
             noise = conditional if unconditional is None else guided_noise(conditional, unconditional, scale)
             now, before = torch.tensor(t, device=self.device), torch.tensor(t_prev, device=self.device)
-            x = schedule.ddim_step(x, noise.to(x.dtype), now, before)
+            x = schedule.ddim_step(x, noise.to(x.dtype), now, before, self.family.options.x0_clip)
             self.stats["denoising_steps"] += 1
         return x
 

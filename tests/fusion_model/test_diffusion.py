@@ -119,3 +119,24 @@ def test_keyed_noise_follows_the_key():
     torch.testing.assert_close(keyed_noise(keys.flip(0), 6, seed=2, step=7, stream="sample"), noise.flip(0),
                                rtol=0, atol=0)
     assert not torch.equal(keyed_noise(keys, 6, seed=2, step=8, stream="sample"), noise)
+
+
+def test_clipping_the_clean_estimate_keeps_the_first_step_from_the_last_noise_level_bounded():
+    schedule = CosineSchedule(1000)
+    generator = torch.Generator().manual_seed(0)
+    x0 = torch.randn(4, 16, 8, generator=generator, dtype=torch.float64).clamp(-3, 3)
+    noise = torch.randn(4, 16, 8, generator=generator, dtype=torch.float64)
+    t, t_prev = torch.tensor(999), torch.tensor(979)
+    x_t = schedule.q_sample(x0, t, noise)
+    slightly_wrong = noise + 0.01 * torch.randn(4, 16, 8, generator=generator, dtype=torch.float64)
+    # alpha_bar(999) = 2.4e-9: a 1% error in the noise becomes an error of ~200 in x0_hat, and of ~6 in the next x_t
+    unclipped = schedule.ddim_step(x_t, slightly_wrong, t, t_prev)
+    assert float(schedule.predict_x0(x_t, slightly_wrong, t).abs().max()) > 50
+    assert float((unclipped - schedule.q_sample(x0, t_prev, noise)).abs().max()) > 2
+    clipped = schedule.ddim_step(x_t, slightly_wrong, t, t_prev, clip=4.0)
+    assert float(clipped.abs().max()) < 6, "the next x_t stays at the scale of a noisy sample"
+    # with a perfect predictor and x0 inside the clip range, clipping changes nothing
+    for steps in (10, 50):
+        out = ddim_sample(lambda x, s: (x - schedule.alpha_bar(s).sqrt() * x0) / (1 - schedule.alpha_bar(s)).sqrt(),
+                          schedule.q_sample(x0, torch.tensor(999), noise), schedule, steps, clip=4.0)
+        torch.testing.assert_close(out, x0, rtol=0, atol=1e-6)
