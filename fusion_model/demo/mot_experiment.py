@@ -18,7 +18,6 @@ import csv
 import dataclasses
 import json
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,6 +41,7 @@ from fusion_model.demo.stages import (
     load_image_tokenizer,
     load_vocab,
     require_outputs,
+    run_experiment_command,
 )
 from tokenizer.files import atomic_write_json, atomic_write_text
 
@@ -535,16 +535,4 @@ def config_from_args(args: argparse.Namespace) -> MoTExperimentConfig:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python train.py experiment mot`."""
-    from tokenizer.threads import free_cores
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] != "mot":
-        print("usage: python train.py experiment mot [options]", file=sys.stderr)
-        return 2
-    args = build_parser().parse_args(argv[1:])
-    config = config_from_args(args)
-    threads = free_cores() if args.threads == "auto" else int(args.threads)
-    torch.set_num_threads(threads)
-    print(f"experiment mot: {threads} thread{'s' if threads > 1 else ''}, output in {config.out_dir}", flush=True)
-    run(config)
-    return 0
+    return run_experiment_command("mot", argv, build_parser, config_from_args, run)

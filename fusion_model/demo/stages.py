@@ -7,7 +7,7 @@ import json
 import shlex
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +77,26 @@ def experiment_parser(name: str, description: str | None, defaults: Any, sizes: 
                         help="keep runs already finished with the same options (resume an interrupted experiment)")
     parser.add_argument("--threads", default="auto", help="torch threads: auto = the cores other processes leave idle")
     return parser
+
+
+def run_experiment_command(name: str, argv: list[str] | None, build_parser: Callable[[], argparse.ArgumentParser],
+                           config_from_args: Callable[[argparse.Namespace], Any], run: Callable[[Any], Any]) -> int:
+    """`python train.py experiment NAME ...` for an experiment module: parse its options, pick its threads, run."""
+    import sys
+
+    from tokenizer.threads import free_cores
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != name:
+        print(f"usage: python train.py experiment {name} [options]", file=sys.stderr)
+        return 2
+    args = build_parser().parse_args(argv[1:])
+    config = config_from_args(args)
+    threads = free_cores() if args.threads == "auto" else int(args.threads)
+    torch.set_num_threads(threads)
+    print(f"experiment {name}: {threads} thread{'s' if threads > 1 else ''}, output in {config.out_dir}", flush=True)
+    run(config)
+    return 0
 
 
 def load_decoder(out_dir: Path):

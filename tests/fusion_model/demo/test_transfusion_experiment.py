@@ -10,40 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from fusion_model.demo import pipeline
 from fusion_model.demo import transfusion_experiment as experiment
-from fusion_model.demo.settings import load_config
 
-# The smoke demo, smaller still (as test_mot_experiment's): tokenizer, vocabulary and shards stages, the classifier.
-DEMO_SETTINGS = ["tokenizer.max_steps=4", "data.train_limit=200", "data.held_out=80", "data.captions_per_image=1",
-                 "data.arithmetic_documents=20", "vocab.english_lines=200", "generate.images_per_caption=1"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """One torch thread for this module's runs: on a shared 2-core machine two threads wait on each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def finished_demo(tmp_path_factory):
-    """A demo folder with what the experiment reuses, and the settings it was made with."""
-    from fusion_model.demo.classifier import train_classifier
-    from fusion_model.demo.datasets import to_model_images
-    from fusion_model.demo.stages import digits_for
-    from tokenizer.files import atomic_torch_save
-
-    out = tmp_path_factory.mktemp("demo")
-    demo = replace(load_config("smoke", None, DEMO_SETTINGS), out_dir=str(out), threads=1)
-    pipeline.run(demo, stages=["tokenizer", "vocab", "shards"], progress=False, log=lambda message: None)
-    digits = digits_for(demo)
-    classifier = train_classifier(to_model_images(digits.train_images, 64), digits.train_labels, epochs=1,
-                                  progress=False)
-    atomic_torch_save(classifier.state_dict(), out / "generate" / "classifier.pt")
-    return demo, out
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the fixtures are in conftest.py
 
 
 @pytest.fixture(scope="module")

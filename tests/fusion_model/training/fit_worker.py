@@ -22,6 +22,19 @@ HERE = Path(__file__).resolve().parent
 TINY = dict(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=64, dropout=0.0)
 
 
+def spawn_processes(fn, args: tuple, processes: int, timeout: float) -> None:
+    """fn(rank, *args) in `processes` spawned processes; fails (and kills them) past `timeout` seconds."""
+    context = torch.multiprocessing.start_processes(fn, args=args, nprocs=processes, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    try:
+        while not context.join(timeout=5):  # raises when a process failed
+            assert time.monotonic() < deadline, f"the {processes} processes did not finish within {timeout} s (a hang)"
+    finally:
+        for process in context.processes:
+            if process.is_alive():
+                process.kill()
+
+
 def make_token_dir(path: Path, n_docs: int = 40, vocab_size: int = 256, seed: int = 0, shards: int = 2,
                    vocab_fingerprint: str = "vocab-test", image_fingerprint: str = "image-test") -> Path:
     """Token shards of random documents (lengths 4..40, ids >= 1; 0 is pad) with a valid manifest."""

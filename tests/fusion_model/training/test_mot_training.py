@@ -6,7 +6,6 @@ test_distributed, test_monitors), run with a MoT decoder."""
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import lightning as L
@@ -172,19 +171,6 @@ def test_two_ddp_processes_train_a_mot_decoder_to_the_weights_of_one_process(tmp
     assert seen == td._pieces(reference["batches"], reference["document_ids"])  # the same global batches
 
 
-def _spawn(fn, args: tuple, processes: int, timeout: float) -> None:
-    """fn(rank, *args) in `processes` spawned processes; fails (and kills them) past `timeout` seconds."""
-    context = torch.multiprocessing.start_processes(fn, args=args, nprocs=processes, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    try:
-        while not context.join(timeout=5):  # raises when a process failed
-            assert time.monotonic() < deadline, f"the {processes} processes did not finish within {timeout} s (a hang)"
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-
-
 def test_fsdp2_with_a_text_only_rank_completes_and_equals_one_process_on_the_whole_batch(tmp_path, one_thread):
     config = tiny(block="mot", z_loss_coef=1e-3)
     torch.manual_seed(0)
@@ -197,7 +183,7 @@ def test_fsdp2_with_a_text_only_rank_completes_and_equals_one_process_on_the_who
     # rank 0 sees text and image codes, rank 1 text only: its backward must still reach the image weights
     steps = [[row(mixed_ids(1, seed=s)), row(mixed_ids(1, seed=10 + s, text_only=True))] for s in range(2)]
     torch.save({"steps": steps}, tmp_path / "batches.pt")
-    _spawn(fw.fsdp2_steps, (2, td._free_port(), config.to_dict(), str(tmp_path / "weights.pt"),
+    fw.spawn_processes(fw.fsdp2_steps, (2, td._free_port(), config.to_dict(), str(tmp_path / "weights.pt"),
                             str(tmp_path / "batches.pt"), str(tmp_path / "fsdp2.pt")), processes=2, timeout=240)
     sharded = torch.load(tmp_path / "fsdp2.pt", weights_only=True)
 

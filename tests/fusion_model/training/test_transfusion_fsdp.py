@@ -4,7 +4,6 @@ an image, take the losses, gradients and AdamW steps of one process on the whole
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -29,19 +28,6 @@ UNET = {**OPTIONS, "patch_encoder": "unet", "latent_grid": [4, 4], "unet_channel
 LR = 1e-4
 
 
-def _spawn(fn, args: tuple, processes: int, timeout: float) -> None:
-    """fn(rank, *args) in `processes` spawned processes; fails (and kills them) past `timeout` seconds."""
-    context = torch.multiprocessing.start_processes(fn, args=args, nprocs=processes, join=False, start_method="spawn")
-    deadline = time.monotonic() + timeout
-    try:
-        while not context.join(timeout=5):  # raises when a process failed
-            assert time.monotonic() < deadline, f"the {processes} processes did not finish within {timeout} s (a hang)"
-    finally:
-        for process in context.processes:
-            if process.is_alive():
-                process.kill()
-
-
 @pytest.mark.parametrize("options", [OPTIONS, UNET], ids=["linear", "unet"])
 def test_fsdp2_with_an_image_free_rank_equals_one_process_on_the_whole_batch(tmp_path, one_thread, options):
     config = FusionConfig.from_preset("tiny", **tt.IMAGE, z_loss_coef=1e-3)
@@ -57,7 +43,7 @@ def test_fsdp2_with_an_image_free_rank_equals_one_process_on_the_whole_batch(tmp
     # rank 1 has no image at step 0, rank 0 none at step 1: its patches part still joins every collective
     steps = [[with_images, without], [without, tt.pack([[three, two], [one]], 28)]]
     torch.save({"steps": steps}, tmp_path / "batches.pt")
-    _spawn(fw.family_fsdp2_steps, (2, td._free_port(), "transfusion", config.to_dict(), options,
+    fw.spawn_processes(fw.family_fsdp2_steps, (2, td._free_port(), "transfusion", config.to_dict(), options,
                                    str(tmp_path / "weights.pt"), str(tmp_path / "batches.pt"),
                                    str(tmp_path / "fsdp2.pt"), LR), processes=2, timeout=240)
     sharded = torch.load(tmp_path / "fsdp2.pt", weights_only=True)
