@@ -28,6 +28,7 @@ from fusion_model.cli.lightning_options import (
     time_limit_seconds,
     use_plain_progress_when_logging_to_a_file,
 )
+from fusion_model.families import BUILTIN_FAMILIES
 from fusion_model.training.checkpointing import broken_checkpoint_message
 from fusion_model.training.lightning_module import FusionLightningModule, NonFiniteLossError
 
@@ -116,8 +117,9 @@ FIT_HELP = (
     "image_codes (the token shards' manifest, else --vocab), max_seq_len (raised to data.seq_len). "
     "--trainer.max_time without max_steps fits the lr schedule to the time budget. Logs go to "
     "<default_root_dir>/tb and /csv, checkpoints to <default_root_dir>/checkpoints. "
-    "--model.family chooses what is trained around the decoder: chameleon (default), llava, qformer, blip2-stage1, "
-    "flamingo, or your own as package.module:Class (CONTRIBUTING.md, 'How to add a model family'), with its options "
+    "--model.family chooses what is trained around the decoder: chameleon (default), "
+    + ", ".join(name for name in BUILTIN_FAMILIES if name != "chameleon") + " (the families' registry), "
+    "or your own as package.module:Class (CONTRIBUTING.md, 'How to add a model family'), with its options "
     "in --model.family_options '{...}'; --model.late_fusion '{kind: llava, stage: 1}' is the older spelling. "
     "--model.config.block chooses the decoder layer: dense (default), mot (Mixture-of-Transformers: its own FFN, "
     "Q/K/V/O and norms per modality, image codes vs everything else, with global attention; needs the image block), "
