@@ -200,6 +200,9 @@ def fsdp2_steps(rank: int, world: int, port: int, config: dict, weights: str, ba
         record["weights"] = full_state_dict(model)
         if rank == 0:
             torch.save(record, out)
+        # no rank tears gloo down while another still uses it: without this a rank that left early aborted
+        # ("terminate called without an active exception", SIGABRT) about once in a CI run
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
