@@ -1,0 +1,1 @@
+"""Video: clip I/O and the video tokenizer."""
