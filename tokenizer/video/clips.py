@@ -219,6 +219,13 @@ def write_gif(frames: np.ndarray, path: str | os.PathLike, fps: float = 4) -> Pa
     return path
 
 
+def _mp4_codec() -> str:
+    """H.264 through libx264 where the PyAV wheel has it, else FFmpeg's own MPEG-4 part 2 encoder."""
+    import av
+
+    return next((c for c in ("libx264", "mpeg4") if c in av.codecs_available), "mpeg4")
+
+
 def write_mp4(frames: np.ndarray, path: str | os.PathLike, fps: int = 8) -> Path:
     """Write uint8 (T, H, W, 3) frames as H.264 MP4 (PyAV, atomically); odd sizes are padded by edge
     repetition to even ones (yuv420p needs them). Returns the path."""
@@ -232,10 +239,10 @@ def write_mp4(frames: np.ndarray, path: str | os.PathLike, fps: int = 8) -> Path
     path = Path(path)
     with atomic_path(path) as tmp:
         with av.open(str(tmp), mode="w", format="mp4") as container:
-            stream = container.add_stream("libx264", rate=int(fps))
+            stream = container.add_stream(_mp4_codec(), rate=int(fps))
             stream.width, stream.height = frames.shape[2], frames.shape[1]
             stream.pix_fmt = "yuv420p"
-            stream.options = {"crf": "18", "preset": "medium"}
+            stream.options = {"crf": "18"} if stream.codec_context.name == "libx264" else {"qscale": "2"}
             for frame in frames:
                 for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
                     container.mux(packet)
