@@ -1,5 +1,6 @@
-"""Write sampled sequences to disk: one PNG per image, a JSON of ids and segments, and a self-contained
-HTML page (images inlined as data URIs) showing each prompt and its continuation in order."""
+"""Write sampled sequences to disk: one PNG per image, an animated GIF (and an MP4 where PyAV is installed) and
+a frame strip PNG per clip, a JSON of ids and segments, and a self-contained HTML page (images, clips and strips
+inlined as data URIs) showing each prompt and its continuation in order."""
 
 from __future__ import annotations
 
@@ -22,15 +23,47 @@ def _png_bytes(image: Image.Image) -> bytes:
     return buffer.getvalue()
 
 
+def _has_pyav() -> bool:
+    """Whether PyAV (the MP4 writer) can be imported."""
+    import importlib.util
+
+    return importlib.util.find_spec("av") is not None
+
+
+def write_clip(frames: Any, out_dir: Path, name: str, fps: float = 4) -> tuple[dict, bytes, bytes]:
+    """A clip's files: `<name>.gif`, `<name>.mp4` (with PyAV) and `<name>_strip.png`; returns its JSON entry and
+    the GIF's and the strip's bytes (for the HTML page)."""
+    from tokenizer.video.clips import frame_strip, write_gif, write_mp4
+
+    gif = write_gif(frames, out_dir / f"{name}.gif", fps=fps)
+    strip = _png_bytes(frame_strip(frames))
+    atomic_write_bytes(out_dir / f"{name}_strip.png", strip)
+    count, height, width = (int(n) for n in frames.shape[:3])
+    entry: dict[str, Any] = {"clip": gif.name, "strip": f"{name}_strip.png", "frames": count,
+                             "size": [width, height]}
+    if _has_pyav():
+        entry["mp4"] = write_mp4(frames, out_dir / f"{name}.mp4", fps=max(1, round(fps))).name
+    return entry, gif.read_bytes(), strip
+
+
 def _describe(segments: list[Any], out_dir: Path, stem: str) -> tuple[list[dict], list[tuple[str, Any]]]:
-    """Segments → JSON entries (images saved as PNG files) and (kind, value) items for the HTML page."""
+    """Segments → JSON entries (images saved as PNG files, clips as GIF/MP4 and a strip) and (kind, value) items
+    for the HTML page."""
+    from fusion_model.generation import Clip
+
     entries: list[dict] = []
     shown: list[tuple[str, Any]] = []
-    n_images = 0
+    n_images = n_clips = 0
     for segment in segments:
         if isinstance(segment, str):
             entries.append({"text": segment})
             shown.append(("text", segment))
+            continue
+        if isinstance(segment, Clip):
+            entry, gif, strip = write_clip(segment.frames, out_dir, f"{stem}_clip_{n_clips}")
+            entries.append(entry)
+            shown.append(("clip", (gif, strip)))
+            n_clips += 1
             continue
         if isinstance(segment, Image.Image):
             image = segment
@@ -55,6 +88,10 @@ def _html_items(items: list[tuple[str, Any]]) -> str:
     for kind, value in items:
         if kind == "text":
             parts.append(f'<span class="text">{html.escape(value)}</span>')
+        elif kind == "clip":  # the animation, then every frame side by side
+            gif, strip = (base64.b64encode(v).decode("ascii") for v in value)
+            parts.append(f'<div class="clip"><img src="data:image/gif;base64,{gif}" alt="clip">'
+                         f'<img class="strip" src="data:image/png;base64,{strip}" alt="frames"></div>')
         else:
             uri = "data:image/png;base64," + base64.b64encode(value).decode("ascii")
             parts.append(f'<img src="{uri}" alt="image">')
@@ -63,14 +100,15 @@ def _html_items(items: list[tuple[str, Any]]) -> str:
 
 def write_samples(
     out_dir: str | os.PathLike,
-    samples: list[list[str | Image.Image]],
+    samples: list[list[Any]],
     *,
     prompts: list[list[Any]] | None = None,
     ids: list[list[int]] | None = None,
     settings: dict | None = None,
     title: str = "Samples",
 ) -> dict[str, Path]:
-    """Write `samples.json`, `index.html` and the PNGs into `out_dir`; returns the two main paths."""
+    """Write `samples.json`, `index.html`, the PNGs and the clips' files into `out_dir`; returns the two main
+    paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if prompts is not None and len(prompts) != len(samples):
@@ -101,6 +139,8 @@ section {{ border-top: 1px solid #ccc; padding: .5em 0; }}
 .prompt {{ color: #555; background: #f4f4f4; padding: .3em; margin-bottom: .3em; }}
 .text {{ white-space: pre-wrap; }}
 img {{ display: block; margin: .3em 0; image-rendering: pixelated; min-width: 128px; }}
+.clip img {{ min-width: 128px; height: 128px; }}
+.clip img.strip {{ min-width: 0; height: 64px; }}
 code {{ font-size: 80%; }}
 </style></head><body>
 <h1>{html.escape(title)}</h1>

@@ -1,5 +1,6 @@
-"""`python train.py generate`: sample mixed text-and-image sequences from a checkpoint and write them as
-PNG files, a JSON of ids and a self-contained HTML page."""
+"""`python train.py generate`: sample mixed text-and-image sequences (and clips, with a video tokenizer) from a
+checkpoint and write them as PNG files, animated GIF / MP4 clips with frame strips, a JSON of ids and a
+self-contained HTML page."""
 
 from __future__ import annotations
 
@@ -23,7 +24,9 @@ from fusion_model.sampling.denoising import DiffusionSamplingConfig
 # The help line of each SamplingConfig field. The options themselves are generated from the dataclass's fields
 # (`add_sampling_options`), so a new field gets its option without a new argparse line (help: this table).
 SAMPLING_HELP: dict[str, str] = {
-    "mode": "text: text only; image: one image right after the prompt; interleaved: the model chooses",
+    "mode": "text: text only; image: one image right after the prompt; video: one clip right after the prompt "
+            "(needs a video tokenizer bundle as --image-tokenizer; written as GIF, MP4 and a frame strip); "
+            "interleaved: the model chooses",
     "max_new_tokens": "new tokens per sample (default: until </s> or the context is full; image mode: one image)",
     "text_temperature": "temperature for text tokens; 0 = greedy",
     "text_top_k": "top-k for text tokens; 0 = off",
@@ -52,7 +55,7 @@ SAMPLING_HELP: dict[str, str] = {
 FLAG_NAMES = {"stop_at_eos": "--no-eos-stop", "use_kv_cache": "--no-kv-cache"}
 CHOICES: dict[str, tuple[str, ...]] = {"mode": MODES}
 COMMAND_DEFAULTS: dict[str, Any] = {"seed": 0}  # a fixed seed: the same command writes the same samples
-NOT_OPTIONS = {"image_grid"}  # taken from --image-tokenizer
+NOT_OPTIONS = {"image_grid", "video_grid"}  # taken from --image-tokenizer
 
 
 def _option_type(hint: Any) -> Any:
@@ -125,7 +128,8 @@ def parser() -> argparse.ArgumentParser:
     io.add_argument("--vocab", help="the unified tokenizer.json the model was trained with "
                                     "(default: tokenizer.json inside a transformers checkpoint directory)")
     io.add_argument("--image-tokenizer", help="image tokenizer directory (save_pretrained / `train.py tokenizer "
-                                              "export`); needed for image prompts and image output")
+                                              "export`); needed for image prompts and image output; a video "
+                                              "tokenizer's bundle also sizes and decodes clips (--mode video)")
     io.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")
     io.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                     help="decoder weight dtype (use float32 on CPU)")
@@ -242,8 +246,9 @@ def _printable(text: str) -> str:
 
 
 def _segments_text(entries: list[dict], out_dir: Path, max_chars: int) -> str:
-    """Segments as one string: text as is, images as `<image: path>`; text past `max_chars` is cut (with a note)
-    but every image marker is kept, so each written file's path is shown."""
+    """Segments as one string: text as is, images as `<image: path>`, clips as `<clip: gif, mp4, strip>`; text past
+    `max_chars` is cut (with a note) but every image and clip marker is kept, so each written file's path is
+    shown."""
     parts, left, cut = [], max_chars, 0
     for entry in entries:
         if "text" in entry:
@@ -251,6 +256,9 @@ def _segments_text(entries: list[dict], out_dir: Path, max_chars: int) -> str:
             parts.append(text[:left] + ("…" if 0 < left < len(text) else ""))
             cut += max(len(text) - left, 0)
             left = max(left - len(text), 0)
+        elif "clip" in entry:
+            files = [entry["clip"], *([entry["mp4"]] if "mp4" in entry else []), entry["strip"]]
+            parts.append(f"<clip: {', '.join(str(out_dir / name) for name in files)}>")
         else:
             parts.append(f"<image: {entry.get('source') or out_dir / entry['image']}>")
     joined = "".join(parts) or "(nothing)"
@@ -263,7 +271,7 @@ def describe_samples(json_path: str | Path, max_chars: int = 500) -> str:
     json_path = Path(json_path)
     out_dir = json_path.parent
     samples = json.loads(json_path.read_text())["samples"]
-    lines, images = [], 0
+    lines, images, clips = [], 0, 0
     for number, sample in enumerate(samples, start=1):
         label = f"[{number}/{len(samples)}]"
         indent = " " * (len(label) + 1)
@@ -274,7 +282,11 @@ def describe_samples(json_path: str | Path, max_chars: int = 500) -> str:
         output = _segments_text(sample["output"], out_dir, max_chars)
         lines.append(f"{label} output: {output}".replace("\n", "\n" + indent))
         images += sum("image" in entry for entry in sample["output"])
-    lines.append(f"generate: {len(samples)} samples, {images} generated image files in {out_dir}")
+        clips += sum("clip" in entry for entry in sample["output"])
+    shown = f"{images} generated image files" + (f" and {clips} generated clips (GIF" + (
+        ", MP4" if any("mp4" in e for s in samples for e in s["output"]) else "") + " and a frame strip each)"
+        if clips else "")
+    lines.append(f"generate: {len(samples)} samples, {shown} in {out_dir}")
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ import sys
 import typing
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -260,3 +261,51 @@ def test_denoising_steps_are_refused_for_a_checkpoint_that_samples_codes(files, 
                      "--vocab", str(files / "tokenizer.json"), "--mode", "text", "--denoising-steps", "20"]) == 2
     assert "--denoising-steps applies to a checkpoint whose images come from a diffusion model" in \
         capsys.readouterr().err
+
+
+def _moving_square(frames: int = 8, size: int = 16) -> np.ndarray:
+    clip = np.zeros((frames, size, size, 3), np.uint8)
+    for t in range(frames):
+        clip[t, 4:9, t:t + 5] = (230, 40, 40)
+    return clip
+
+
+def test_clips_are_written_as_gif_mp4_and_a_frame_strip_and_listed(tmp_path):
+    from fusion_model.generation import Clip
+    from fusion_model.sample_output import _has_pyav, write_samples
+
+    frames = _moving_square()
+    samples = [["a red square", Clip(frames, torch.zeros(2, 4, 4, dtype=torch.long))]]
+    paths = write_samples(tmp_path, samples, prompts=[["a red square moving right"]], ids=[[1, 2, 3]])
+    (text, clip) = json.loads(paths["json"].read_text())["samples"][0]["output"]
+    assert text == {"text": "a red square"}
+    assert clip["frames"] == 8 and clip["size"] == [16, 16]
+    with Image.open(tmp_path / clip["clip"]) as gif:
+        assert gif.format == "GIF" and gif.n_frames == 8 and gif.size == (16, 16)
+        gif.seek(7)
+        assert np.array_equal(np.asarray(gif.convert("RGB")), frames[7])
+    with Image.open(tmp_path / clip["strip"]) as strip:  # 8 frames side by side, 2-px gaps
+        assert strip.size == (8 * 16 + 7 * 2, 16)
+    if _has_pyav():
+        from tokenizer.video.clips import read_clip
+
+        decoded = read_clip(tmp_path / clip["mp4"])
+        assert decoded.shape == frames.shape
+    page = paths["html"].read_text()
+    assert page.count("data:image/gif;base64,") == 1 and 'class="strip"' in page
+    summary = describe_samples(paths["json"])
+    assert f"<clip: {tmp_path / clip['clip']}" in summary and str(tmp_path / clip["strip"]) in summary
+    assert "1 generated clips (GIF" in summary
+
+
+def test_mode_video_needs_a_video_tokenizer(files):
+    from fusion_model.generation import video_grid_setting
+    from fusion_model.sampling import MODES
+    from tokenizer.image import load_image_tokenizer
+
+    if "video" not in MODES:
+        pytest.skip("the sampler has no video mode yet")
+    image_tokenizer = load_image_tokenizer(files / "vq")
+    with pytest.raises(ValueError, match="mode 'video' needs a video tokenizer"):
+        video_grid_setting(SamplingConfig(mode="video"), image_tokenizer)
+    assert video_grid_setting(SamplingConfig(mode="image"), image_tokenizer) == {}
