@@ -31,15 +31,18 @@ from tokenizer.layout import image_code_mask
 from tokenizer.specials import (  # noqa: F401 - part of this module's interface
     BOI,
     BOS,
+    BOV,
     DEFAULT_IMAGE_CODES,
     DEFAULT_NUM_SPECIALS,
     DEFAULT_VOCAB_SIZE,
     EOI,
     EOS,
+    EOV,
     IMAGE_PLACEHOLDER,
     NAMED_SPECIALS,
     PAD,
     SEP,
+    VIDEO_SPECIALS,
 )
 
 IMAGE_PREFIX = "IMGIMG"
@@ -49,6 +52,10 @@ _LETTERS_AS_DIGITS = str.maketrans("ABCDEFGHIJ", "0123456789")
 _IMAGE_NAME = re.compile(re.escape(IMAGE_PREFIX) + "([A-J]+)Z")
 
 Segment = "str | torch.Tensor | np.ndarray"
+NO_VIDEO_MARKERS = (
+    f"this vocabulary has no video markers ({BOV}/{EOV}): it was built without video; rebuild the vocabulary "
+    "with `train.py vocab --video` (and re-tokenize the shards with it) to use clips"
+)
 
 
 def image_token_name(code: int) -> str:
@@ -94,22 +101,34 @@ class LatentImage:
 
 @dataclass(frozen=True)
 class Span:
-    """One run of an id sequence (UnifiedVocab.spans): text, or an image from its `<boi>` to its `<eoi>`."""
+    """One run of an id sequence (UnifiedVocab.spans): text, an image from its `<boi>` to its `<eoi>`, or a video
+    clip from its `<bov>` to its `<eov>`."""
 
-    kind: str  # "text" or "image"
-    start: int  # position of the first id (an image's <boi>)
-    end: int  # one past the last id (past an image's <eoi> when it has one)
-    closed: bool = True  # False for an image cut short: the sequence ends or another <boi> comes before <eoi>
+    kind: str  # "text", "image" or "video"
+    start: int  # position of the first id (an image's <boi>, a clip's <bov>)
+    end: int  # one past the last id (past an image's <eoi> / a clip's <eov> when it has one)
+    # False for an image (clip) cut short: the sequence ends, or another <boi> / <bov> comes before its end marker
+    closed: bool = True
 
     @property
     def is_image(self) -> bool:
-        """Whether this run is an image."""
+        """Whether this run is an image (a clip is not: see is_video, is_visual)."""
         return self.kind == "image"
 
     @property
+    def is_video(self) -> bool:
+        """Whether this run is a video clip."""
+        return self.kind == "video"
+
+    @property
+    def is_visual(self) -> bool:
+        """Whether this run is an image or a clip: codes of the image block between two markers."""
+        return self.kind != "text"
+
+    @property
     def body(self) -> slice:
-        """Positions of the content: all of a text run; an image's ids between `<boi>` and `<eoi>`."""
-        if not self.is_image:
+        """Positions of the content: all of a text run; an image's (clip's) ids between its two markers."""
+        if not self.is_visual:
             return slice(self.start, self.end)
         return slice(self.start + 1, self.end - 1 if self.closed else self.end)
 
@@ -149,12 +168,24 @@ class UnifiedVocab:
         self.pad_id, self.bos_id, self.eos_id = ids[PAD], ids[BOS], ids[EOS]
         self.boi_id, self.eoi_id, self.sep_id = ids[BOI], ids[EOI], ids[SEP]
         self.image_placeholder_id = ids[IMAGE_PLACEHOLDER]
+        # the video markers: specials (before the image block) of a vocabulary built with video, else None (a text
+        # token that happens to spell "<bov>" in an older vocabulary is text, not a marker)
+        markers = [tokenizer.token_to_id(name) for name in VIDEO_SPECIALS]
+        if all(i is not None and i < self.layout.image_offset for i in markers):
+            self.bov_id, self.eov_id = markers
+        else:
+            self.bov_id = self.eov_id = None
 
     # ----- layout -------------------------------------------------------------------------------
     vocab_size = property(lambda self: self.layout.vocab_size, doc="Total number of ids.")
     image_codes = property(lambda self: self.layout.image_codes, doc="Size of the image codebook.")
     image_offset = property(lambda self: self.layout.image_offset, doc="Id of image code 0.")
     text_offset = property(lambda self: self.layout.text_offset, doc="Id of the first text token.")
+
+    @property
+    def has_video(self) -> bool:
+        """Whether the vocabulary has the video markers `<bov>` / `<eov>` (built with `train.py vocab --video`)."""
+        return self.bov_id is not None
 
     def __len__(self) -> int:
         return self.layout.vocab_size
@@ -163,7 +194,7 @@ class UnifiedVocab:
         lay = self.layout
         return (
             f"UnifiedVocab(vocab_size={lay.vocab_size}, specials={lay.image_offset}, image_codes={lay.image_codes}, "
-            f"text={lay.num_text_tokens}, filler={lay.num_filler})"
+            f"text={lay.num_text_tokens}, filler={lay.num_filler}{', video' if self.has_video else ''})"
         )
 
     def image_id(self, code: int) -> int:
@@ -237,9 +268,17 @@ class UnifiedVocab:
         bos: bool = True,
         eos: bool = True,
         grid_shape: tuple[int, int] | None = None,
+        video_grid: tuple[int, int, int] | None = None,
     ) -> list[int]:
         """`<s> text <boi> codes (raster order) <eoi> ... </s>` for segments that are str or 2-D code grids (or
-        `LatentImage`: `<boi>`, its `<image>` placeholders, `<eoi>`)."""
+        `LatentImage`: `<boi>`, its `<image>` placeholders, `<eoi>`).
+
+        A 3-D integer grid (t, h, w) is a video clip: `<bov>`, its t*h*w codes in raster order (time, then rows,
+        then columns; ids of the image-code block), `<eov>`. Only a vocabulary with video markers (`has_video`)
+        takes clips. The shape is not in the ids: it is recorded beside them (the token shards' manifest field
+        `video_grid` [t, h, w], Emu3's meta) and passed back to `decode_document`. grid_shape / video_grid, when
+        given, are the shapes every image / clip must have.
+        """
         if isinstance(segments, (str, bytes)):
             raise TypeError("encode_document takes a list of segments; wrap a single text as [text]")
         ids = [self.bos_id] if bos else []
@@ -250,6 +289,13 @@ class UnifiedVocab:
                 if segment.patches < 1:
                     raise ValueError(f"segment {index}: a continuous image needs at least one patch")
                 ids += [self.boi_id, *[self.image_placeholder_id] * segment.patches, self.eoi_id]
+            elif getattr(segment, "ndim", None) == 3:
+                if not self.has_video:
+                    raise ValueError(f"segment {index} is a video clip (a 3-D code grid), but {NO_VIDEO_MARKERS}")
+                codes = self._grid_codes(segment, index, video_grid, dims=3)
+                ids.append(self.bov_id)
+                ids += (codes + self.image_offset).tolist()
+                ids.append(self.eov_id)
             else:
                 codes = self._grid_codes(segment, index, grid_shape)
                 ids.append(self.boi_id)
@@ -260,13 +306,18 @@ class UnifiedVocab:
         return ids
 
     def decode_document(
-        self, ids: Iterable[int] | torch.Tensor, grid_shape: tuple[int, int] | None = None
+        self,
+        ids: Iterable[int] | torch.Tensor,
+        grid_shape: tuple[int, int] | None = None,
+        video_grid: tuple[int, int, int] | None = None,
     ) -> list[str | torch.Tensor]:
         """Segments of an id sequence: text strings and LongTensor code grids (pad/bos/eos dropped).
 
         Images become `grid_shape` grids, or square grids when it is None (1-D when the count is not square);
-        an unfinished image at the end (no `<eoi>`) comes back 1-D. Other specials (separator, placeholder,
-        reserved) appear by name inside the text.
+        an unfinished image at the end (no `<eoi>`) comes back 1-D. Clips (`<bov>` ... `<eov>`) become
+        (t, h, w) grids: `video_grid` when given (the count must match), else (count / (h*w), h, w) when
+        grid_shape (h, w) is given and divides the count, else 1-D; an unfinished clip comes back 1-D. Other
+        specials (separator, placeholder, reserved) appear by name inside the text.
         """
         if isinstance(ids, (torch.Tensor, np.ndarray)) and ids.ndim != 1:
             raise ValueError(
@@ -277,7 +328,7 @@ class UnifiedVocab:
         lay = self.layout
         segments: list[str | torch.Tensor] = []
         for span in self.spans(ids):
-            if not span.is_image:
+            if not span.is_visual:
                 text = []  # text ids and specials shown by name
                 for position in range(span.start, span.end):
                     i = ids[position]
@@ -287,47 +338,55 @@ class UnifiedVocab:
                         raise ValueError(f"image id {i} at position {position} is outside <boi> ... <eoi>")
                     if i == self.eoi_id:
                         raise ValueError(f"<eoi> (id {i}) at position {position} has no matching <boi>")
+                    if self.eov_id is not None and i == self.eov_id:
+                        raise ValueError(f"<eov> (id {i}) at position {position} has no matching <bov>")
                     text.append(i)
                 if text:
                     segments.append(self.decode_text(text))
                 continue
             # an image cut short by the next <boi> fails at that <boi>; one cut by the end is kept, 1-D
             stop = span.body.stop if span.closed or span.end == len(ids) else span.end + 1
+            where = "a clip (after <bov>, before <eov>)" if span.is_video else "an image (after <boi>, before <eoi>)"
             for position in range(span.body.start, stop):
                 i = ids[position]
                 if not lay.image_offset <= i < lay.text_offset:
                     raise ValueError(
-                        f"id {i} ({self.tokenizer.id_to_token(i)!r}) at position {position} is inside an image "
-                        f"(after <boi>, before <eoi>) but is not an image code"
+                        f"id {i} ({self.tokenizer.id_to_token(i)!r}) at position {position} is inside {where} "
+                        f"but is not an image code"
                     )
             codes = [i - lay.image_offset for i in ids[span.body]]
-            if span.closed:
+            if span.closed and span.is_video:
+                segments.append(self._clip_of(codes, video_grid, grid_shape, span.end - 1))
+            elif span.closed:
                 segments.append(self._grid_of(codes, grid_shape, span.end - 1))
-            else:  # generation stopped inside an image
+            else:  # generation stopped inside an image or a clip
                 segments.append(torch.tensor(codes, dtype=torch.long))
         return segments
 
     def spans(self, ids: Iterable[int] | torch.Tensor) -> list[Span]:
-        """The document structure of an id sequence: its text runs and `<boi>` ... `<eoi>` images, in order.
+        """The document structure of an id sequence: its text runs, `<boi>` ... `<eoi>` images and (in a
+        vocabulary with video markers) `<bov>` ... `<eov>` clips, in order.
 
         The one parser of documents; it never raises. Everything between `<boi>` and the next `<eoi>` belongs
-        to the image (callers check that it is image codes). An image is open (closed=False) when the sequence
-        ends first or when another `<boi>` comes first (that `<boi>` starts the next image). A `<eoi>` outside
-        an image is part of the text run around it.
+        to the image, and everything between `<bov>` and the next `<eov>` to the clip (callers check that it is
+        image codes). An image or clip is open (closed=False) when the sequence ends first or when another
+        `<boi>` or `<bov>` comes first (that marker starts the next one). An end marker outside its kind of span
+        (`<eoi>` in text or in a clip, `<eov>` in text or in an image) is part of the run around it.
         """
         ids = self._as_list(ids)
         spans: list[Span] = []
-        start, in_image = 0, False
+        start, kind = 0, "text"
+        closer = {"image": self.eoi_id, "video": self.eov_id}
         for position, i in enumerate(ids):
-            if i == self.boi_id:
+            if i == self.boi_id or (i == self.bov_id and self.bov_id is not None):
                 if position > start:
-                    spans.append(Span("image" if in_image else "text", start, position, closed=not in_image))
-                start, in_image = position, True
-            elif i == self.eoi_id and in_image:
-                spans.append(Span("image", start, position + 1))
-                start, in_image = position + 1, False
+                    spans.append(Span(kind, start, position, closed=kind == "text"))
+                start, kind = position, "image" if i == self.boi_id else "video"
+            elif kind != "text" and i == closer[kind]:
+                spans.append(Span(kind, start, position + 1))
+                start, kind = position + 1, "text"
         if len(ids) > start:
-            spans.append(Span("image" if in_image else "text", start, len(ids), closed=not in_image))
+            spans.append(Span(kind, start, len(ids), closed=kind == "text"))
         return spans
 
     # ----- masks --------------------------------------------------------------------------------
@@ -431,8 +490,9 @@ class UnifiedVocab:
                     "was it produced with a different (larger) vocabulary or model head?"
                 )
 
-    def _grid_codes(self, segment: object, index: int, grid_shape: tuple[int, int] | None) -> np.ndarray:
-        """Validate an image grid and return its codes flattened in raster order."""
+    def _grid_codes(self, segment: object, index: int, grid_shape: tuple[int, ...] | None, dims: int = 2
+                    ) -> np.ndarray:
+        """Validate an image grid (dims 2: h, w) or a clip (dims 3: t, h, w); its codes flattened in raster order."""
         if isinstance(segment, torch.Tensor):
             grid = segment.detach().cpu().numpy()
         elif isinstance(segment, np.ndarray):
@@ -441,23 +501,25 @@ class UnifiedVocab:
             raise TypeError(
                 f"segment {index} is a {type(segment).__name__}; segments are str or 2-D integer grids"
             )
-        if grid.ndim != 2 or grid.size == 0:
+        what = "video clip segment" if dims == 3 else "image segment"
+        if grid.ndim != dims or grid.size == 0:
             raise ValueError(
                 f"image segment {index} has shape {tuple(grid.shape)}; an image is a non-empty 2-D (h, w) grid of codes"
+                + (" and a video clip a non-empty 3-D (t, h, w) one" if self.has_video else "")
             )
         if grid.dtype == np.bool_ or not np.issubdtype(grid.dtype, np.integer):
             raise ValueError(
-                f"image segment {index} has dtype {grid.dtype}; codes must be integers (e.g. torch.long)"
+                f"{what} {index} has dtype {grid.dtype}; codes must be integers (e.g. torch.long)"
             )
         if grid_shape is not None and tuple(grid.shape) != tuple(grid_shape):
             raise ValueError(
-                f"image segment {index} has shape {tuple(grid.shape)} but the expected grid is {tuple(grid_shape)}"
+                f"{what} {index} has shape {tuple(grid.shape)} but the expected grid is {tuple(grid_shape)}"
             )
         low, high = int(grid.min()), int(grid.max())
         if low < 0 or high >= self.image_codes:
             bad = low if low < 0 else high
             raise ValueError(
-                f"image segment {index} has code {bad} outside [0, {self.image_codes}); "
+                f"{what} {index} has code {bad} outside [0, {self.image_codes}); "
                 "the image tokenizer's codebook must not be larger than the vocabulary's image_codes"
             )
         return grid.astype(np.int64).reshape(-1)
@@ -474,16 +536,40 @@ class UnifiedVocab:
         side = math.isqrt(len(codes))
         return flat.reshape(side, side) if side * side == len(codes) and codes else flat
 
+    @staticmethod
+    def _clip_of(codes: list[int], video_grid: tuple[int, int, int] | None, grid_shape: tuple[int, int] | None,
+                 position: int) -> torch.Tensor:
+        flat = torch.tensor(codes, dtype=torch.long)
+        if video_grid is not None:
+            t, h, w = video_grid
+            if len(codes) != t * h * w:
+                raise ValueError(
+                    f"clip ending at position {position} has {len(codes)} codes, not {t}x{h}x{w}={t * h * w}"
+                )
+            return flat.reshape(t, h, w)
+        if grid_shape is not None and codes and len(codes) % (grid_shape[0] * grid_shape[1]) == 0:
+            return flat.reshape(-1, *grid_shape)
+        return flat
+
 
 def build_unified_vocab(
     bpe: BpeResult,
     vocab_size: int = DEFAULT_VOCAB_SIZE,
     image_codes: int = DEFAULT_IMAGE_CODES,
     num_specials: int = DEFAULT_NUM_SPECIALS,
+    video: bool = False,
 ) -> UnifiedVocab:
-    """Merge a trained BPE with the specials and the image block into exactly `vocab_size` ids."""
-    text_room = _text_room(vocab_size, image_codes, num_specials)
-    specials = list(NAMED_SPECIALS) + [reserved_name(i) for i in range(num_specials - len(NAMED_SPECIALS))]
+    """Merge a trained BPE with the specials and the image block into exactly `vocab_size` ids.
+
+    video: name the first two reserved slots `<bov>` / `<eov>` (video clip markers; ids 7 and 8 with the default
+    specials) instead of `<reserved_0>` / `<reserved_1>`. Off by default: without it the vocabulary is the one
+    built before video existed, name for name (same fingerprint).
+    """
+    text_room = _text_room(vocab_size, image_codes, num_specials, video)
+    reserved = [reserved_name(i) for i in range(num_specials - len(NAMED_SPECIALS))]
+    if video:  # the markers take the first two reserved slots; the other slots keep their names
+        reserved[: len(VIDEO_SPECIALS)] = VIDEO_SPECIALS
+    specials = list(NAMED_SPECIALS) + reserved
     images = [image_token_name(k) for k in range(image_codes)]
     # No text token may look like an image token (transformers finds those by prefix) or a special/filler name.
     taken = set(specials)
@@ -517,21 +603,29 @@ def train_unified_vocab(
     min_frequency: int = 2,
     show_progress: bool = False,
     length: int | None = None,
+    video: bool = False,
 ) -> UnifiedVocab:
-    """Train BPE on `texts` and build the unified vocabulary; small sizes (a few hundred ids) work for tests."""
-    text_room = _text_room(vocab_size, image_codes, num_specials)
+    """Train BPE on `texts` and build the unified vocabulary; small sizes (a few hundred ids) work for tests.
+
+    video: give the vocabulary the clip markers `<bov>` / `<eov>` (build_unified_vocab)."""
+    text_room = _text_room(vocab_size, image_codes, num_specials, video)
     # A few spare merges make up for any pruned by prune_reserved.
     bpe = train_bpe(
         texts, text_room + 64, min_frequency=min_frequency, show_progress=show_progress, length=length
     )
-    return build_unified_vocab(bpe, vocab_size, image_codes, num_specials)
+    return build_unified_vocab(bpe, vocab_size, image_codes, num_specials, video=video)
 
 
-def _text_room(vocab_size: int, image_codes: int, num_specials: int) -> int:
+def _text_room(vocab_size: int, image_codes: int, num_specials: int, video: bool = False) -> int:
     """Ids left for text; errors (with the shortfall) when not even the 256 byte tokens fit."""
     if num_specials < len(NAMED_SPECIALS):
         raise ValueError(
             f"num_specials={num_specials} cannot hold the {len(NAMED_SPECIALS)} named specials {NAMED_SPECIALS}"
+        )
+    if video and num_specials < len(NAMED_SPECIALS) + len(VIDEO_SPECIALS):
+        raise ValueError(
+            f"num_specials={num_specials} cannot hold the {len(NAMED_SPECIALS)} named specials and the video markers "
+            f"{VIDEO_SPECIALS}: use at least {len(NAMED_SPECIALS) + len(VIDEO_SPECIALS)}"
         )
     if image_codes < 1:
         raise ValueError(f"image_codes must be at least 1, got {image_codes}")
@@ -571,6 +665,10 @@ def _read_layout(tokenizer: Tokenizer, source: str) -> VocabLayout:
             )
     if max(tokenizer.token_to_id(name) for name in NAMED_SPECIALS) >= offset:
         raise ValueError(f"{source}: special tokens must come before the image block (id {offset})")
+    markers = [tokenizer.token_to_id(name) for name in VIDEO_SPECIALS]
+    if sum(i is not None and i < offset for i in markers) == 1:
+        raise ValueError(f"{source}: has one of the video markers {VIDEO_SPECIALS} among its specials but not the "
+                         "other; rebuild it with `train.py vocab --video`")
     text_offset = offset + codes
     # BPE never learns a <reserved_N> name (build_unified_vocab prunes them), so the trailing run of them is filler.
     text_end = size

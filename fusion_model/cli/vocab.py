@@ -9,7 +9,13 @@ from pathlib import Path
 
 from fusion_model.cli import DefaultsHelpFormatter
 from tokenizer.corpus import BUILTIN, CorpusStats, iter_corpus
-from tokenizer.specials import DEFAULT_IMAGE_CODES, DEFAULT_NUM_SPECIALS, DEFAULT_VOCAB_SIZE, NAMED_SPECIALS
+from tokenizer.specials import (
+    DEFAULT_IMAGE_CODES,
+    DEFAULT_NUM_SPECIALS,
+    DEFAULT_VOCAB_SIZE,
+    NAMED_SPECIALS,
+    VIDEO_SPECIALS,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -57,6 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=DEFAULT_NUM_SPECIALS,
         help=f"ids reserved for special tokens at the start: {', '.join(NAMED_SPECIALS)} and <reserved_N> spares",
+    )
+    parser.add_argument(
+        "--video",
+        action="store_true",
+        help=f"add the video clip markers {' / '.join(VIDEO_SPECIALS)} (the first two <reserved_N> slots): needed to "
+        "tokenize and generate video clips; off, the vocabulary is the one built before video (same fingerprint)",
     )
     parser.add_argument(
         "--min-frequency", type=int, default=2, help="a pair must occur this often to be merged"
@@ -117,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             num_specials=args.num_specials,
             min_frequency=args.min_frequency,
             show_progress=not args.no_progress,
+            video=args.video,
         )
     except (ValueError, FileNotFoundError) as error:  # bad input: `train.py` prints it and exits 2
         if not stats.skipped:
@@ -135,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         f"(ids {lay.image_offset}..{lay.text_offset - 1}) + {lay.num_text_tokens:,} text tokens "
         f"+ {lay.num_filler:,} <reserved_N> filler"
     )
+    if vocab.has_video:
+        print(f"video markers: {VIDEO_SPECIALS[0]} id {vocab.bov_id}, {VIDEO_SPECIALS[1]} id {vocab.eov_id}")
     print(f"fingerprint {vocab.fingerprint()[:16]}  wrote {path}")
     return 0
 
