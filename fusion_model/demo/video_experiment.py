@@ -1,0 +1,556 @@
+"""`python train.py experiment video`: Emu3-style video tokens in an early-fusion decoder, offline (issue #32).
+
+Seeded synthetic clips (fusion_model.demo.video_data: 4 colours x 3 shapes moving left/right/up/down, 8 frames of
+32x32, captions such as "a red square moving left"), with held-out clips of the trained caption triples and clips
+of triples no training clip shows. Per run:
+1. the video tokenizer (configs/tokenizer/video-demo-32.yaml: 8 frames -> 2 x 8 x 8 = 128 codes) is trained on
+   the training clips through `train.py tokenizer fit`, and a per-frame 2-D VQ (the project's ImageTokenizer,
+   demo-64's layout at 32 px -> 4 x 4 codes, so 8 frames are the same 128 codes, the same codebook size, steps
+   and pixels per step) through `fit_image_tokenizer`; both are scored by held-out per-frame PSNR against
+   repeating the first frame;
+2. `train.py vocab --video`, `train.py shards write --video-folder` and `shards tokenize` (captions always before
+   their clip) turn the clips into documents; a second set of shards has the same clips with their captions
+   shuffled among them (the same documents, lengths and steps: the equal-compute control);
+3. `train.py fit --config configs/fusion/demo.yaml` trains one decoder on each for the same steps and seed;
+4. each samples one clip per held-out caption (`SamplingConfig(mode="video")`, the demo's temperature, top-k
+   and guidance), decoded by the video tokenizer and read by the independent checker (colour, shape, direction
+   from the centroid's motion): accuracy against chance, against the shuffled-caption model and against the
+   ground-truth clips through the tokenizer (the ceiling); and its held-out loss per video token against a
+   unigram of the training codes.
+Writes `<out>/results.json`, `<out>/results.md` and `<out>/samples.png`. Needs no demo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fusion_model.demo import video_data
+from fusion_model.demo.settings import REPO_ROOT
+from fusion_model.demo.stages import run_experiment_command
+from tokenizer.files import atomic_write_json, atomic_write_text
+
+VIDEO_TOKENIZER_CONFIG = REPO_ROOT / "configs" / "tokenizer" / "video-demo-32.yaml"
+# Decoder sizes over the `demo` preset (d 128, 4 layers, 4 heads, FFN 384).
+SIZES: dict[str, dict[str, int]] = {
+    "demo": {},
+    "d64": {"dim": 64, "n_layers": 2, "n_heads": 2, "ffn_dim": 192},
+    "d32": {"dim": 32, "n_layers": 1, "n_heads": 1, "ffn_dim": 96},  # the smoke mode's: seconds per run
+}
+ARMS = ("captions", "shuffled")  # the decoder trained on true captions, and on captions shuffled among the clips
+TEXT_IDS = 320  # the BPE's share of the vocabulary: 256 bytes and the merges of a dozen caption words
+
+
+@dataclass
+class VideoExperimentConfig:
+    """The experiment's settings; defaults are the full run (about 15-20 minutes on 2 cores)."""
+
+    out_dir: str = "runs/video"
+    train_clips: int = 2000
+    held_out_clips: int = 84  # new clips of the trained triples (2 per triple)
+    novel_clips: int = 48  # clips of the held-out triples
+    novel_triples: int = 6
+    tokenizer_steps: int = 600  # the video tokenizer's and the per-frame VQ's optimizer steps
+    tokenizer_batch: int = 16  # clips per step (the per-frame VQ: 8 x as many frames)
+    size: str = "demo"
+    steps: int = 800  # decoder optimizer steps of each arm
+    seq_len: int = 288  # two caption + clip documents (about 140 ids each) per row
+    batch_size: int = 8
+    lr: float = 2.0e-3
+    temperature: float = 0.7  # the demo's sampling settings (configs/demo/full.yaml)
+    top_k: int = 50
+    cfg_scale: float = 3.0
+    seed: int = 0
+    reuse: bool = False  # keep the tokenizers, shards and decoder runs already finished with the same settings
+
+
+def smoke_config(out_dir: str = "runs/video-smoke") -> VideoExperimentConfig:
+    """The smoke mode: a few clips, a few steps of each model, a tiny decoder."""
+    return VideoExperimentConfig(out_dir=out_dir, train_clips=64, held_out_clips=8, novel_clips=6, tokenizer_steps=3,
+                                 tokenizer_batch=4, size="d32", steps=3, batch_size=2)
+
+
+# ---------------------------------------------------------------- data on disk
+
+
+def write_clip_folder(folder: Path, clips: np.ndarray, captions: list[str]) -> Path:
+    """One `NNNNN.npy` clip (uint8 T x H x W x 3) and `NNNNN.txt` caption per clip: what `shards write
+    --video-folder` and `tokenizer fit --data.source` read. Rewritten every time (cheap, deterministic)."""
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    for i, (clip, text) in enumerate(zip(clips, captions)):
+        np.save(folder / f"{i:05d}.npy", clip, allow_pickle=False)
+        (folder / f"{i:05d}.txt").write_text(text + "\n")
+    return folder
+
+
+def shuffled_captions(captions: list[str], seed: int) -> list[str]:
+    """The same captions in a seeded random order: each clip keeps a caption, almost never its own."""
+    order = np.random.default_rng(seed).permutation(len(captions))
+    return [captions[i] for i in order]
+
+
+# ---------------------------------------------------------------- tokenizers
+
+
+def run_cli(argv: list[str]) -> None:
+    """One `train.py ...` command in this process (the whole command table); a non-zero exit raises."""
+    from fusion_model.demo.commands import main
+
+    code = main(argv)
+    if code:
+        raise RuntimeError(f"`python train.py {' '.join(argv)}` exited with {code}")
+
+
+def train_video_tokenizer(config: VideoExperimentConfig, clip_dir: Path, folder: Path) -> Path:
+    """`train.py tokenizer fit --config configs/tokenizer/video-demo-32.yaml` on the training clips for
+    `tokenizer_steps`; returns its bundle (<folder>/tokenizer)."""
+    if folder.exists():
+        shutil.rmtree(folder)
+    run_cli(["tokenizer", "fit", "--config", str(VIDEO_TOKENIZER_CONFIG), f"--data.source={clip_dir}",
+             f"--data.batch_size={config.tokenizer_batch}", f"--trainer.max_steps={config.tokenizer_steps}",
+             "--trainer.max_time=null", f"--trainer.default_root_dir={folder}", f"--seed_everything={config.seed}"])
+    return folder / "tokenizer"
+
+
+def frame_vq_overrides(codebook_size: int) -> dict:
+    """demo-64's layout one level shorter: 32-px frames -> 4 x 4 codes of `codebook_size`."""
+    return {"image_size": video_data.SIZE, "channel_multiplier": (1, 2, 4, 8), "num_res_blocks": (0, 0, 1, 2),
+            "decoder_res_blocks": (0, 0, 1, 2), "codebook_size": int(codebook_size)}
+
+
+def train_frame_vq(config: VideoExperimentConfig, clips: np.ndarray, codebook_size: int, folder: Path):
+    """The per-frame 2-D VQ baseline: every frame of the training clips, the video tokenizer's steps, 8 x its
+    clips per step (the same pixels per step), the same codebook size."""
+    from tokenizer.image.train import fit_image_tokenizer
+
+    frames = video_data.to_model_clips(clips).flatten(0, 1)
+    tokenizer, info = fit_image_tokenizer(
+        frames, preset="demo-64", batch_size=config.tokenizer_batch * clips.shape[1], max_steps=config.tokenizer_steps,
+        max_minutes=None, seed=config.seed, progress=False, log_dir=folder / "logs",
+        overrides=frame_vq_overrides(codebook_size))
+    tokenizer.save_pretrained(folder / "model")
+    return tokenizer.eval(), info
+
+
+def frame_psnr(reconstructed: torch.Tensor, clips: torch.Tensor) -> np.ndarray:
+    """PSNR (dB, pixels in [-1, 1]) of every frame: (N, T)."""
+    mse = ((reconstructed.float().clamp(-1, 1) - clips.float()) ** 2).mean(dim=(2, 3, 4)).clamp_min(1e-10)
+    return (10 * torch.log10(4.0 / mse)).numpy()
+
+
+def psnr_summary(values: np.ndarray) -> dict:
+    """Mean per-frame PSNR, and its mean at each frame index."""
+    return {"psnr_db": float(values.mean()), "per_frame_index_db": [float(v) for v in values.mean(axis=0)]}
+
+
+@torch.no_grad()
+def reconstructions(video_tokenizer, frame_vq, clips: torch.Tensor, batch: int = 64) -> dict[str, torch.Tensor]:
+    """Held-out clips through each tokenizer, and the repeat-the-first-frame baseline."""
+    video, per_frame = [], []
+    for start in range(0, len(clips), batch):
+        chunk = clips[start:start + batch]
+        video.append(video_tokenizer.decode_clips(video_tokenizer.encode_clips(chunk)).float())
+        frames = chunk.flatten(0, 1)
+        per_frame.append(frame_vq.decode(frame_vq.encode(frames)).float().view_as(chunk))
+    return {"video_tokenizer": torch.cat(video), "frame_vq": torch.cat(per_frame),
+            "repeat_first_frame": clips[:, :1].expand_as(clips).clone()}
+
+
+def codes_per_clip(video_tokenizer, frame_vq, frames: int) -> dict[str, int]:
+    """Codes one clip costs with each tokenizer."""
+    t, h, w = video_tokenizer.video_grid
+    fh, fw = frame_vq.grid_shape
+    return {"video_tokenizer": int(t * h * w), "frame_vq": int(frames * fh * fw)}
+
+
+# ---------------------------------------------------------------- vocabulary and shards
+
+
+def build_vocab(config: VideoExperimentConfig, bundle: Path, folder: Path, codebook_size: int) -> Path:
+    """`train.py vocab --video`: a BPE of TEXT_IDS ids on every caption, the codebook, the video markers."""
+    corpus = folder / "captions.txt"
+    folder.mkdir(parents=True, exist_ok=True)
+    texts = sorted({video_data.caption(*t) for t in video_data.all_triples()})
+    corpus.write_text("\n".join(texts * 4) + "\n")
+    from tokenizer.vocab import DEFAULT_NUM_SPECIALS
+
+    out = folder / "tokenizer.json"
+    run_cli(["vocab", "--out", str(out), "--corpus", str(corpus), "--image-tokenizer", str(bundle), "--video",
+             "--vocab-size", str(DEFAULT_NUM_SPECIALS + codebook_size + TEXT_IDS), "--min-frequency", "1",
+             "--no-progress"])
+    return out
+
+
+def write_shards(clip_dir: Path, folder: Path, vocab: Path, bundle: Path, seed: int) -> Path:
+    """`train.py shards write --video-folder` then `shards tokenize` (captions always before their clip: flip
+    probability 0); returns the token shards' folder."""
+    for sub in ("raw", "tokens"):
+        if (folder / sub).exists():
+            shutil.rmtree(folder / sub)
+    run_cli(["shards", "write", "--out", str(folder / "raw"), "--video-folder", str(clip_dir)])
+    run_cli(["shards", "tokenize", str(folder / "raw"), "--out", str(folder / "tokens"), "--vocab", str(vocab),
+             "--image-tokenizer", str(bundle), "--flip-probability", "0", "--seed", str(seed), "--workers", "1",
+             "--no-progress"])
+    return folder / "tokens"
+
+
+# ---------------------------------------------------------------- decoder: loss and samples
+
+
+def document_ids(vocab, caption: str, codes: torch.Tensor) -> list[int]:
+    """`<s> caption <bov> codes <eov> </s>`: a training document."""
+    return list(vocab.encode_document([caption, codes.cpu()], bos=True, eos=True))
+
+
+@torch.no_grad()
+def video_token_loss(model, vocab, captions: list[str], codes: torch.Tensor, batch: int = 32) -> float:
+    """Mean cross-entropy (nats) of the model's predictions of every clip code of the given documents (the
+    `<eov>` and text targets left out)."""
+    from tokenizer.layout import image_code_mask
+
+    rows = [torch.tensor(document_ids(vocab, c, g)) for c, g in zip(captions, codes)]
+    total, count = 0.0, 0
+    for start in range(0, len(rows), batch):
+        chunk = rows[start:start + batch]
+        length = max(len(r) for r in chunk)
+        ids = torch.full((len(chunk), length), vocab.pad_id, dtype=torch.long)
+        documents = torch.full((len(chunk), length), -1, dtype=torch.long)
+        for i, r in enumerate(chunk):
+            ids[i, :len(r)], documents[i, :len(r)] = r, 0
+        logits = model(ids, document_ids=documents)[:, :-1]
+        targets = ids[:, 1:]
+        is_code = image_code_mask(targets, vocab.image_offset, vocab.image_codes) & (documents[:, 1:] >= 0)
+        loss = torch.nn.functional.cross_entropy(logits[is_code], targets[is_code], reduction="sum")
+        total, count = total + float(loss), count + int(is_code.sum())
+    return total / max(count, 1)
+
+
+def unigram_loss(train_codes: torch.Tensor, held_out_codes: torch.Tensor, codebook_size: int) -> float:
+    """Cross-entropy (nats) of the held-out codes under the training codes' add-one unigram."""
+    counts = torch.bincount(train_codes.flatten(), minlength=codebook_size).double() + 1.0
+    log_p = torch.log(counts / counts.sum())
+    return float(-log_p[held_out_codes.flatten()].mean())
+
+
+@torch.no_grad()
+def sample_clips(model, vocab, video_tokenizer, captions: list[str], config: VideoExperimentConfig,
+                 batch: int = 32) -> tuple[np.ndarray, int]:
+    """One clip per caption (`mode="video"`), prompts of one caption batched together; returns uint8 frames
+    (N, T, H, W, 3) and how many came out incomplete (black clips, scored wrong by the checker)."""
+    from fusion_model.generation import Clip, generate
+    from fusion_model.sampling import SamplingConfig
+
+    t_frames = int(video_tokenizer.config.clip_frames)
+    side = int(video_tokenizer.config.image_size)
+    out = np.zeros((len(captions), t_frames, side, side, 3), dtype=np.uint8)
+    incomplete = 0
+    order = sorted(range(len(captions)), key=lambda i: captions[i])
+    for start in range(0, len(order), batch):
+        rows = order[start:start + batch]
+        sampling = SamplingConfig(mode="video", image_temperature=config.temperature, image_top_k=config.top_k,
+                                  cfg_scale=config.cfg_scale, seed=config.seed + start)
+        samples = generate(model, vocab, video_tokenizer, [[captions[i]] for i in rows], sampling)
+        for i, segments in zip(rows, samples):
+            clips = [s for s in segments if isinstance(s, Clip)]
+            if clips:
+                out[i] = clips[0].frames
+            else:
+                incomplete += 1
+    return out, incomplete
+
+
+def score_clips(frames: np.ndarray, specs: list[video_data.ClipSpec]) -> dict:
+    """The checker's accuracies of colour, shape, direction and all three."""
+    return video_data.score(video_data.check_clips(frames), specs)
+
+
+# ---------------------------------------------------------------- the experiment
+
+
+@dataclass
+class _Context:
+    """What both arms share."""
+
+    config: VideoExperimentConfig
+    out_dir: Path
+    vocab: object
+    video_tokenizer: object
+    split: video_data.VideoSplit
+    codes: dict[str, torch.Tensor]  # train / held_out / novel clip codes (N, t, h, w)
+    log: Callable[[str], None]
+
+
+def train_and_score(ctx: _Context, arm: str, train_dir: Path) -> dict:
+    """Train one decoder (or reuse a finished one) and score it."""
+    from fusion_model.demo.fusion_experiment import fit
+    from fusion_model.families.loading import load_family
+
+    config = ctx.config
+    extra = [f"--model.config.{key}={value}" for key, value in SIZES[config.size].items()]
+    extra += [f"--data.seq_len={config.seq_len}", f"--model.config.max_seq_len={config.seq_len}",
+              f"--data.batch_size={config.batch_size}", f"--model.lr={config.lr}",
+              f"--model.warmup_steps={max(1, min(50, config.steps // 10))}", "--model.config.dropout=0.0",
+              f"--trainer.log_every_n_steps={max(1, min(10, config.steps))}"]
+    folder = ctx.out_dir / arm
+    saved = folder / "record.json"
+    if config.reuse and saved.is_file():
+        record = json.loads(saved.read_text())
+        if record["extra"] == extra and record["steps"] == config.steps and Path(record["last_checkpoint"]).is_file():
+            ctx.log(f"  {arm}: reusing the finished run")
+            return record
+    module, trained = fit(arm, ctx.out_dir, ctx.out_dir, train_dir, config.steps, config.seed, extra, ctx.log)
+    del module
+    model = load_family(trained["last_checkpoint"]).parts["model"].eval()
+    split, record = ctx.split, {**trained, "arm": arm, "size": config.size, "extra": extra,
+                                "parameters": sum(p.numel() for p in model.parameters())}
+    start = time.perf_counter()
+    for name, clips in (("held_out", split.held_out), ("novel", split.novel)):
+        frames, incomplete = sample_clips(model, ctx.vocab, ctx.video_tokenizer, clips.captions, config)
+        record[f"generation_{name}"] = {**score_clips(frames, clips.specs), "incomplete": incomplete}
+        np.save(folder / f"samples_{name}.npy", frames[:12], allow_pickle=False)
+        record[f"video_loss_{name}"] = video_token_loss(model, ctx.vocab, clips.captions, ctx.codes[name])
+    record["sampling_seconds"] = time.perf_counter() - start
+    atomic_write_json(saved, record)
+    g, n = record["generation_held_out"], record["generation_novel"]
+    ctx.log(f"  {arm}: held-out captions colour/shape/direction {g['colour']:.0%}/{g['shape']:.0%}/"
+            f"{g['direction']:.0%}, held-out triples {n['colour']:.0%}/{n['shape']:.0%}/{n['direction']:.0%}; "
+            f"loss per video token {record['video_loss_held_out']:.3f}")
+    return record
+
+
+@torch.no_grad()
+def encode_all(video_tokenizer, clips: np.ndarray, batch: int = 64) -> torch.Tensor:
+    """(N, t, h, w) codes of uint8 clips."""
+    x = video_data.to_model_clips(clips)
+    return torch.cat([video_tokenizer.encode_clips(x[s:s + batch]) for s in range(0, len(x), batch)]).cpu()
+
+
+def run(config: VideoExperimentConfig, log: Callable[[str], None] = print) -> dict:
+    """The whole experiment; returns (and writes) the results."""
+    from tokenizer.image import load_image_tokenizer
+    from tokenizer.vocab import UnifiedVocab
+
+    if config.size not in SIZES:
+        raise ValueError(f"unknown size {config.size!r}; sizes are {list(SIZES)}")
+    if min(config.steps, config.tokenizer_steps, config.train_clips) < 1:
+        raise ValueError("--steps, --tokenizer-steps and --train-clips must be positive")
+    out_dir = Path(config.out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    seconds: dict[str, float] = {}
+
+    def lap(name: str, since: float) -> float:
+        seconds[name] = time.perf_counter() - since
+        return time.perf_counter()
+
+    log("[1/6] synthetic clips (seeded), the checker on ground truth")
+    split = video_data.make_split(config.train_clips, config.held_out_clips, config.novel_clips,
+                                  config.novel_triples, config.seed)
+    clip_root = out_dir / "clips"
+    train_dir = write_clip_folder(clip_root / "train", split.train.clips, split.train.captions)
+    shuffled_dir = write_clip_folder(clip_root / "train_shuffled", split.train.clips,
+                                     shuffled_captions(split.train.captions, config.seed + 7))
+    ground_truth = {name: score_clips(getattr(split, name).clips, getattr(split, name).specs)
+                    for name in ("held_out", "novel")}
+    t = lap("data", start)
+
+    log("[2/6] tokenizers: video (train.py tokenizer fit) and per-frame 2-D VQ at the same codes per clip")
+    bundle = train_video_tokenizer(config, train_dir, out_dir / "tokenizer_run")
+    video_tokenizer = load_image_tokenizer(bundle).eval()
+    # fusion_experiment.fit reads the vocabulary and tokenizer at the demo's places: <out>/vocab, <out>/tokenizer
+    if (out_dir / "tokenizer" / "model").exists():
+        shutil.rmtree(out_dir / "tokenizer" / "model")
+    shutil.copytree(bundle, out_dir / "tokenizer" / "model")
+    codebook = int(video_tokenizer.config.codebook_size)
+    frame_vq, frame_info = train_frame_vq(config, split.train.clips, codebook, out_dir / "frame_vq")
+    t = lap("tokenizers", t)
+    held = video_data.to_model_clips(np.concatenate([split.held_out.clips, split.novel.clips]))
+    recon = reconstructions(video_tokenizer, frame_vq, held)
+    reconstruction = {name: psnr_summary(frame_psnr(x, held)) for name, x in recon.items()}
+    reconstruction["codes_per_clip"] = codes_per_clip(video_tokenizer, frame_vq, split.train.clips.shape[1])
+    reconstruction["codebook_size"] = codebook
+    n_held = len(split.held_out)
+    ceiling = {"held_out": score_clips(video_data.to_uint8_clips(recon["video_tokenizer"][:n_held]),
+                                       split.held_out.specs),
+               "novel": score_clips(video_data.to_uint8_clips(recon["video_tokenizer"][n_held:]), split.novel.specs),
+               "frame_vq_held_out": score_clips(video_data.to_uint8_clips(recon["frame_vq"][:n_held]),
+                                                split.held_out.specs)}
+    log(f"  held-out per-frame PSNR: video tokenizer {reconstruction['video_tokenizer']['psnr_db']:.2f} dB, "
+        f"per-frame VQ {reconstruction['frame_vq']['psnr_db']:.2f} dB, repeat the first frame "
+        f"{reconstruction['repeat_first_frame']['psnr_db']:.2f} dB")
+    t = lap("reconstruction", t)
+
+    log("[3/6] vocabulary (train.py vocab --video) and shards (shards write --video-folder, shards tokenize)")
+    vocab_path = build_vocab(config, bundle, out_dir / "vocab", codebook)
+    vocab = UnifiedVocab.load(vocab_path)
+    shards = {"captions": write_shards(train_dir, out_dir / "shards", vocab_path, bundle, config.seed),
+              "shuffled": write_shards(shuffled_dir, out_dir / "shards_shuffled", vocab_path, bundle, config.seed)}
+    codes = {"train": encode_all(video_tokenizer, split.train.clips),
+             "held_out": encode_all(video_tokenizer, split.held_out.clips),
+             "novel": encode_all(video_tokenizer, split.novel.clips)}
+    unigram = {name: unigram_loss(codes["train"], codes[name], codebook) for name in ("held_out", "novel")}
+    t = lap("vocab_and_shards", t)
+
+    log(f"[4/6] decoders (train.py fit, configs/fusion/demo.yaml, size {config.size}, {config.steps} steps each)")
+    ctx = _Context(config, out_dir, vocab, video_tokenizer, split, codes, log)
+    runs = {arm: train_and_score(ctx, arm, shards[arm]) for arm in ARMS}
+    t = lap("decoders", t)
+
+    log("[5/6] figure")
+    record = {"config": dataclasses.asdict(config), "out_dir": str(out_dir), "split": {
+        "train_clips": len(split.train), "held_out_clips": len(split.held_out), "novel_clips": len(split.novel),
+        "novel_triples": [" ".join(x) for x in split.novel_triples]},
+        "reconstruction": reconstruction, "frame_vq": {k: v for k, v in frame_info.items()
+                                                       if isinstance(v, (int, float, str))},
+        "checker_ground_truth": ground_truth, "ceiling": ceiling, "chance": video_data.CHANCE,
+        "unigram_loss": unigram, "runs": runs, "seconds": seconds, "threads": torch.get_num_threads()}
+    record["figure"] = write_figure(out_dir, split, recon, n_held)
+    lap("figure", t)
+    record["minutes"] = (time.perf_counter() - start) / 60
+    record["finished_at"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    log("[6/6] results")
+    atomic_write_json(out_dir / "results.json", record)
+    atomic_write_text(out_dir / "results.md", results_markdown(record))
+    log(results_markdown(record))
+    log(f"results: {out_dir / 'results.md'} ({record['minutes']:.1f} minutes)")
+    return record
+
+
+# ---------------------------------------------------------------- outputs
+
+
+def write_figure(out_dir: Path, split: video_data.VideoSplit, recon: dict[str, torch.Tensor], n_held: int,
+                 shown: int = 4) -> str:
+    """`samples.png`: frame strips of held-out clips (ground truth, video tokenizer, per-frame VQ, first frame
+    repeated) and the samples of each arm from their captions."""
+    from PIL import Image, ImageDraw
+
+    from tokenizer.video.clips import frame_strip
+
+    rows: list[tuple[str, np.ndarray]] = []
+    for i in range(min(shown, n_held)):
+        rows.append((f"truth: {split.held_out.captions[i]}", split.held_out.clips[i]))
+        for name in ("video_tokenizer", "frame_vq", "repeat_first_frame"):
+            rows.append((f"  {name}", video_data.to_uint8_clips(recon[name][i:i + 1])[0]))
+    for arm in ARMS:
+        path = out_dir / arm / "samples_held_out.npy"
+        if path.is_file():
+            samples = np.load(path, allow_pickle=False)  # the first clips' samples, in the held-out order
+            for k in range(min(shown, len(samples))):
+                rows.append((f"{arm}: {split.held_out.captions[k]}", samples[k]))
+    strips = [frame_strip(frames) for _, frames in rows]
+    label_width, scale = 260, 2
+    width = label_width + max(s.width for s in strips) * scale
+    height = sum(s.height * scale + 4 for s in strips)
+    canvas = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(canvas)
+    y = 0
+    for (label, _), strip in zip(rows, strips):
+        canvas.paste(strip.resize((strip.width * scale, strip.height * scale), Image.NEAREST), (label_width, y))
+        draw.text((4, y + strip.height * scale // 2 - 6), label[:40], fill="black")
+        y += strip.height * scale + 4
+    path = out_dir / "samples.png"
+    canvas.save(path)
+    return str(path)
+
+
+def _pct(scores: dict, key: str) -> str:
+    value = scores.get(key)
+    return "n/a" if value is None or not np.isfinite(value) else f"{value:.1%}"
+
+
+def results_markdown(record: dict) -> str:
+    """The results as Markdown tables: reconstruction, generation against its references, loss per video token."""
+    rec, runs = record["reconstruction"], record["runs"]
+    cpc = rec["codes_per_clip"]
+    lines = ["| reconstruction (held-out clips) | codes per clip | per-frame PSNR (dB) | by frame index |",
+             "|---|---|---|---|",
+             f"| video tokenizer | {cpc['video_tokenizer']} | {rec['video_tokenizer']['psnr_db']:.2f} | "
+             f"{' / '.join(f'{v:.1f}' for v in rec['video_tokenizer']['per_frame_index_db'])} |",
+             f"| per-frame 2-D VQ | {cpc['frame_vq']} | {rec['frame_vq']['psnr_db']:.2f} | "
+             f"{' / '.join(f'{v:.1f}' for v in rec['frame_vq']['per_frame_index_db'])} |",
+             f"| repeat the first frame (exact) | - | {rec['repeat_first_frame']['psnr_db']:.2f} | "
+             f"{' / '.join(f'{v:.1f}' for v in rec['repeat_first_frame']['per_frame_index_db'])} |", ""]
+    lines += ["| generation (checker accuracy) | captions | colour | shape | direction | all three | incomplete |",
+              "|---|---|---|---|---|---|---|"]
+    chance = record["chance"]
+    for split_name, label in (("held_out", "held-out clips, trained triples"), ("novel", "held-out triples")):
+        for arm in ARMS:
+            g = runs[arm][f"generation_{split_name}"]
+            lines.append(f"| {arm} model, {label} | {g['count']} | {_pct(g, 'colour')} | {_pct(g, 'shape')} | "
+                         f"{_pct(g, 'direction')} | {_pct(g, 'all')} | {g['incomplete']} |")
+        c = record["ceiling"][split_name]
+        lines.append(f"| ceiling: ground truth through the video tokenizer, {label} | {c['count']} | "
+                     f"{_pct(c, 'colour')} | {_pct(c, 'shape')} | {_pct(c, 'direction')} | {_pct(c, 'all')} | - |")
+    fv = record["ceiling"]["frame_vq_held_out"]
+    gt = record["checker_ground_truth"]["held_out"]
+    lines += [f"| (per-frame VQ reconstructions, held-out clips) | {fv['count']} | {_pct(fv, 'colour')} | "
+              f"{_pct(fv, 'shape')} | {_pct(fv, 'direction')} | {_pct(fv, 'all')} | - |",
+              f"| (ground truth, held-out clips) | {gt['count']} | {_pct(gt, 'colour')} | {_pct(gt, 'shape')} | "
+              f"{_pct(gt, 'direction')} | {_pct(gt, 'all')} | - |",
+              f"| chance | - | {chance['colour']:.0%} | {chance['shape']:.1%} | {chance['direction']:.0%} | "
+              f"{chance['all']:.1%} | - |", ""]
+    lines += ["| held-out loss per video token (nats) | held-out clips | held-out triples |", "|---|---|---|"]
+    for arm in ARMS:
+        lines.append(f"| {arm} model | {runs[arm]['video_loss_held_out']:.3f} | {runs[arm]['video_loss_novel']:.3f} |")
+    lines.append(f"| unigram of the training codes | {record['unigram_loss']['held_out']:.3f} | "
+                 f"{record['unigram_loss']['novel']:.3f} |")
+    config = record["config"]
+    arm = runs[ARMS[0]]
+    lines += ["", f"{record['split']['train_clips']} training clips; held-out triples: "
+              f"{', '.join(record['split']['novel_triples'])}. Tokenizers: {config['tokenizer_steps']} steps each, "
+              f"codebook {rec['codebook_size']}. Decoders: size {config['size']} ({arm['parameters']:,} parameters), "
+              f"{config['steps']} steps of {config['batch_size']} x {config['seq_len']} ids, the same seed and "
+              f"documents for both arms (shuffled: the same clips, captions permuted). Sampling: temperature "
+              f"{config['temperature']}, top-k {config['top_k']}, guidance {config['cfg_scale']}. "
+              f"{record['minutes']:.1f} minutes on {record['threads']} thread(s).", "",
+              "![held-out clips and samples](samples.png)"]
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------- command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `train.py experiment video` options (the shared --smoke, --out, --reuse, --threads and its own)."""
+    defaults = VideoExperimentConfig()
+    parser = argparse.ArgumentParser(prog="train.py experiment video", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="a few clips and steps, a tiny decoder (about a minute)")
+    parser.add_argument("--out", default=None, help=f"output folder (default: {defaults.out_dir})")
+    parser.add_argument("--size", choices=list(SIZES), default=None, help=f"decoder size (default: {defaults.size})")
+    parser.add_argument("--reuse", action="store_true", help="keep decoder runs already finished with the same options")
+    parser.add_argument("--threads", default="auto", help="torch threads: auto = the cores other processes leave idle")
+    for name in ("train_clips", "held_out_clips", "novel_clips", "novel_triples", "tokenizer_steps",
+                 "tokenizer_batch", "steps", "seq_len", "batch_size", "top_k", "seed"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                            help=f"default: {getattr(defaults, name)}")
+    for name in ("lr", "temperature", "cfg_scale"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=float, default=None,
+                            help=f"default: {getattr(defaults, name)}")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> VideoExperimentConfig:
+    """The full run's or the smoke mode's settings, with the options given replacing theirs."""
+    base = smoke_config() if args.smoke else VideoExperimentConfig()
+    names = [f.name for f in dataclasses.fields(VideoExperimentConfig) if f.name not in ("out_dir", "reuse")]
+    given = {"out_dir": args.out, "reuse": args.reuse or None,
+             **{name: getattr(args, name, None) for name in names}}
+    return dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python train.py experiment video`."""
+    return run_experiment_command("video", argv, build_parser, config_from_args, run)
