@@ -21,7 +21,7 @@ from PIL import Image
 from tqdm import tqdm
 
 from data_shards.raw import MANIFEST as RAW_MANIFEST
-from data_shards.raw import ShardError, iter_raw_shard, read_raw_manifest
+from data_shards.raw import ShardError, iter_raw_shard, open_video, read_raw_manifest
 from data_shards.token_shards import (
     LATENT_KIND,
     FeatureWriter,
@@ -110,6 +110,48 @@ def _is_pair(segments: list) -> bool:
     return len(segments) == 2 and sum(isinstance(s, str) for s in segments) == 1
 
 
+def is_video_tokenizer(image_tokenizer) -> bool:
+    """Whether the tokenizer encodes clips (`encode_clips`, `video_grid`: tokenizer.video.VideoTokenizer's kind)."""
+    return callable(getattr(image_tokenizer, "encode_clips", None)) and hasattr(image_tokenizer, "video_grid")
+
+
+def clip_frames_of(image_tokenizer) -> int:
+    """Frames per clip the video tokenizer encodes (its config's `clip_frames`)."""
+    return int(image_tokenizer.config.clip_frames)
+
+
+def _open_clip(raw_path: Path, key: str, segment: tuple, vocab, image_tokenizer, with_features: bool) -> np.ndarray:
+    """A raw clip segment as the uint8 (clip_frames, H, W, 3) frames the video tokenizer encodes.
+
+    The rule for frame counts: a clip longer than the tokenizer's `clip_frames` keeps its first `clip_frames`
+    frames; a shorter one is refused, naming it (`shards write --min-clip-frames` skips those at ingest instead).
+    """
+    where = f"shard {raw_path.name}, key {key!r}"
+    if image_tokenizer is None:
+        raise ShardError(f"{where}: holds a clip but no image tokenizer was given; pass a video tokenizer bundle "
+                         "as --image-tokenizer")
+    if not is_video_tokenizer(image_tokenizer):
+        raise ShardError(f"{where}: holds a clip, but the image tokenizer (kind "
+                         f"{getattr(image_tokenizer, 'kind', 'vq')!r}) is not a video tokenizer; pass a video "
+                         "tokenizer bundle (kind 'video') as --image-tokenizer")
+    if not getattr(vocab, "has_video", False):
+        raise ShardError(f"{where}: holds a clip, but the vocabulary has no video markers (<bov>/<eov>); build "
+                         "the vocabulary on the video tokenizer (`train.py vocab`)")
+    if with_features:
+        raise ShardError(f"{where}: holds a clip, and --features stores image features only; tokenize clips "
+                         "without --features")
+    frames = clip_frames_of(image_tokenizer)
+    try:
+        clip = open_video(segment, name=f"{raw_path.name}:{key}", max_frames=frames)
+    except ValueError as err:  # ClipLoadError
+        raise ShardError(f"{where}: {err}") from err
+    if clip.shape[0] < frames:
+        raise ShardError(f"{where}: its clip has {clip.shape[0]} frames, fewer than the video tokenizer's "
+                         f"clip_frames {frames}; remove it, or write the raw shards again with --min-clip-frames "
+                         f"{frames} to skip such clips")
+    return clip
+
+
 def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: dict, batch_size: int,
                    raw_sha256: str | None = None) -> dict:
     """Tokenize one raw shard into the token shard of the same stem; returns the shard's meta.
@@ -123,7 +165,7 @@ def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: 
     keys: list[str] = []
     documents: list[np.ndarray] = []  # int64 ids: 8 bytes a token where a list of ints takes about 36
     pending: list[tuple[str, list]] = []
-    images_done = 0
+    images_done = clips_done = 0
     with_features = bool(info.get("features"))
     patch_size = info.get("patch_size")  # set for a continuous image tokenizer: its latents are cut into patches
     # on a GPU one encoder call per batch (the tokenizer's own default splits into 32s); on the CPU the calls stay
@@ -136,8 +178,9 @@ def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: 
         writer = stack.enter_context(FeatureWriter(out_dir, name, dim)) if with_features else None
 
         def flush() -> None:
-            nonlocal images_done
+            nonlocal images_done, clips_done
             images = [s for _, segments in pending for s in segments if isinstance(s, Image.Image)]
+            clips = [s for _, segments in pending for s in segments if isinstance(s, np.ndarray)]
             grids: list[torch.Tensor] = []
             image_features: list[torch.Tensor] = []
             for start in range(0, len(images), batch_size):
@@ -155,14 +198,27 @@ def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: 
                     else:
                         codes = image_tokenizer.encode(chunk, **sizes)
                 grids.extend(codes.cpu())
-            grid_iter, feature_iter = iter(grids), iter(image_features)
+            clip_grids: list[torch.Tensor] = []
+            if clips:  # several frames each: fewer clips than images per encoder call
+                per_call = max(1, batch_size // clip_frames_of(image_tokenizer))
+                expected = tuple(int(side) for side in image_tokenizer.video_grid)
+                for start in range(0, len(clips), per_call):
+                    with torch.inference_mode():
+                        codes = image_tokenizer.encode_clips(clips[start : start + per_call]).cpu()
+                    if tuple(codes.shape[1:]) != expected:
+                        raise ShardError(f"shard {raw_path.name}: the video tokenizer gave codes of shape "
+                                         f"{tuple(codes.shape[1:])} for clips, its video_grid is {expected}; check "
+                                         "the tokenizer bundle")
+                    clip_grids.extend(codes)
+            grid_iter, clip_iter, feature_iter = iter(grids), iter(clip_grids), iter(image_features)
             for key, segments in pending:
-                segments = [next(grid_iter) if isinstance(s, Image.Image) else s for s in segments]
+                segments = [next(grid_iter) if isinstance(s, Image.Image) else
+                            next(clip_iter) if isinstance(s, np.ndarray) else s for s in segments]
                 if patch_size:  # an image is its count of patches: `<boi>`, that many `<image>`, `<eoi>`
                     segments = [s if isinstance(s, str) else LatentImage(int(s)) for s in segments]
                 if writer is not None:
                     for segment in segments:
-                        if not isinstance(segment, str):
+                        if not isinstance(segment, str):  # images only: a clip with --features was refused
                             rows = next(feature_iter).numpy()
                             # float16 as stored: a latent past its range becomes infinite there
                             if not np.isfinite(rows.astype(np.float16)).all():
@@ -177,14 +233,18 @@ def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: 
                 keys.append(key)
                 documents.append(np.asarray(ids, dtype=np.int64))
             images_done += len(images)
+            clips_done += len(clips)
             pending.clear()
 
-        pending_images = 0
+        pending_images = pending_frames = 0
         for key, raw_segments in iter_raw_shard(raw_path):
             segments: list[str | Image.Image] = []
             for segment in raw_segments:
                 if isinstance(segment, str):
                     segments.append(segment)
+                    continue
+                if segment[0] == "video":
+                    segments.append(_open_clip(raw_path, key, segment, vocab, image_tokenizer, with_features))
                     continue
                 if image_tokenizer is None:
                     raise ShardError(f"shard {raw_path.name}, key {key!r}: holds an image but no image tokenizer "
@@ -197,15 +257,17 @@ def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: 
                 segments.reverse()
             pending.append((key, segments))
             pending_images += sum(isinstance(s, Image.Image) for s in segments)
-            if pending_images >= batch_size:
+            pending_frames += sum(s.shape[0] for s in segments if isinstance(s, np.ndarray))
+            if pending_images >= batch_size or pending_frames >= batch_size:
                 flush()
-                pending_images = 0
+                pending_images = pending_frames = 0
         flush()
         if sha256_file(raw_path) != raw_sha256:
             raise ShardError(f"shard {raw_path}: the raw shard changed while it was being tokenized; run "
                              "`shards tokenize` again once it is no longer being written")
         return write_token_shard(out_dir, name, keys, documents,
-                                 {**info, "images": images_done, "source": raw_path.name, "raw_sha256": raw_sha256},
+                                 {**info, "images": images_done, **({"clips": clips_done} if clips_done else {}),
+                                  "source": raw_path.name, "raw_sha256": raw_sha256},
                                  features=writer)
 
 
@@ -444,6 +506,11 @@ def pretokenize(
         **({"latent": {"channels": int(image_tokenizer.latent_channels), "grid": list(image_tokenizer.grid_shape),
                        "patch_size": patch_size}} if continuous else {}),
         "grid_shape": list(image_tokenizer.grid_shape) if image_tokenizer is not None else None,
+        # a video tokenizer's clip grid (t, h, w) and frames per clip, and the vocabulary's video markers: what a
+        # clip span of these shards is (`<bov>`, t*h*w codes in (t, h, w) raster order, `<eov>`)
+        **({"video_grid": [int(side) for side in image_tokenizer.video_grid],
+            "clip_frames": clip_frames_of(image_tokenizer)} if is_video_tokenizer(image_tokenizer) else {}),
+        **({"bov_id": int(vocab.bov_id), "eov_id": int(vocab.eov_id)} if getattr(vocab, "has_video", False) else {}),
         "flip_probability": info["flip_probability"],
         "seed": info["seed"],
         "raw_skipped": raw_manifest.get("skipped_count", 0),

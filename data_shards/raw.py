@@ -1,6 +1,11 @@
 """Raw shards: webdataset tars where one sample is one document (`KEY.json` segments + `KEY.0.png`, ...).
 
 Written atomically (tokenizer.files) and read without ever unpickling or using a member name as a path.
+
+Clips (segment `{"video": i}`) are stored in one of two ways, never as a pickle or `.npy` member:
+- a video file (.mp4, .webm, .mkv, .mov, .avi): its original bytes, as member `KEY.video<i>.<ext>`;
+- decoded frames (from a `.npy` array or a folder of frames): one lossless PNG per frame, as members
+  `KEY.video<i>.<t>.png` with t = 000000, 000001, ... in frame order.
 """
 
 from __future__ import annotations
@@ -12,22 +17,40 @@ import tarfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from PIL import Image
 
 from tokenizer.files import atomic_path, atomic_write_json
+from tokenizer.video.clips import VIDEO_SUFFIXES, read_clip, read_frame_images
 
 RAW_FORMAT = "early-fusion-raw/1"
 MANIFEST = "manifest.json"
 # Extensions that some tar readers decode by unpickling (webdataset's default decoders do): never accepted.
 FORBIDDEN_EXTENSIONS = {"pyd", "pickle", "pkl", "pth", "pt", "npy", "npz", "joblib"}
 IMAGE_EXTENSIONS = {"png", "jpg", "jpeg", "webp", "bmp", "gif", "tif", "tiff"}
+# Video files stored with their original bytes (the containers tokenizer.video.clips decodes with PyAV).
+VIDEO_EXTENSIONS = {suffix.lstrip(".") for suffix in VIDEO_SUFFIXES}
+_VIDEO_MEMBER = re.compile(r"^video(?P<index>\d+)\.(?:(?P<frame>\d{6})\.png|(?P<ext>[a-z0-9]+))$")
 _KEY_RE = re.compile(r"^[A-Za-z0-9_\-]+(/[A-Za-z0-9_\-]+)*$")
 
 
 class ShardError(ValueError):
     """A shard (raw or token) is malformed; the message names the shard and the sample key."""
+
+
+@dataclass(frozen=True)
+class VideoFile:
+    """A clip segment for `RawShardWriter.add` kept as the original bytes of a video file (`suffix` ".mp4", ...)."""
+
+    data: bytes
+    suffix: str
+
+    def __post_init__(self) -> None:
+        if self.suffix.lower().lstrip(".") not in VIDEO_EXTENSIONS:
+            raise ValueError(f"video suffix {self.suffix!r} is not one of {sorted(VIDEO_EXTENSIONS)}")
 
 
 def check_key(key: str) -> str:
@@ -49,7 +72,8 @@ def safe_key(text: str) -> str:
 class RawShardWriter:
     """Context manager writing documents into size-limited raw shards plus a manifest with counts and skips.
 
-    `add(key, segments)` takes a list of `str` (text) and `PIL.Image.Image` (stored as lossless PNG);
+    `add(key, segments)` takes a list of `str` (text), `PIL.Image.Image` (stored as lossless PNG) and clips:
+    `VideoFile` (the video file's bytes, as they are) or a uint8 (T, H, W, 3) array (one PNG per frame);
     `skip(key, reason)` records a sample that could not be ingested (listed in the manifest, never silent).
     """
 
@@ -70,7 +94,7 @@ class RawShardWriter:
         self.strict = strict
         self.shards: list[dict] = []
         self.skipped: list[dict] = []
-        self.counts = {"documents": 0, "images": 0, "text_segments": 0}
+        self.counts = {"documents": 0, "images": 0, "videos": 0, "text_segments": 0}
         self._keys: set[str] = set()
         self._tar: tarfile.TarFile | None = None
         self._shard_files: ExitStack | None = None  # the open tar inside tokenizer.files.atomic_path
@@ -97,7 +121,7 @@ class RawShardWriter:
         self._shard_files = ExitStack()
         tmp = self._shard_files.enter_context(atomic_path(self.out_dir / name))
         self._tar = self._shard_files.enter_context(tarfile.open(tmp, "w"))
-        self._current = {"name": name, "documents": 0, "images": 0, "bytes": 0}
+        self._current = {"name": name, "documents": 0, "images": 0, "videos": 0, "bytes": 0}
 
     def _finish_shard(self) -> None:
         if self._tar is None:
@@ -114,14 +138,15 @@ class RawShardWriter:
         self._tar.addfile(info, io.BytesIO(data))
         self._current["bytes"] += len(data) + 512
 
-    def add(self, key: str, segments: list[str | Image.Image]) -> None:
-        """Append one document; text segments are `str`, images are PIL images (saved as PNG)."""
+    def add(self, key: str, segments: list[str | Image.Image | VideoFile | np.ndarray]) -> None:
+        """Append one document; text segments are `str`, images are PIL images (saved as PNG), clips are
+        `VideoFile`s (stored as they are) or uint8 (T, H, W, 3) frame arrays (one PNG member per frame)."""
         check_key(key)
         if key in self._keys:
             raise ValueError(f"duplicate sample key {key!r}: keys must be unique within a raw shard directory")
         if not segments:
             raise ValueError(f"sample {key!r} has no segments")
-        json_segments, images = [], []
+        json_segments, images, videos = [], [], []
         for i, segment in enumerate(segments):
             if isinstance(segment, str):
                 json_segments.append({"text": segment})
@@ -131,10 +156,25 @@ class RawShardWriter:
                 image.save(buffer, format="PNG")
                 json_segments.append({"image": len(images)})
                 images.append(buffer.getvalue())
+            elif isinstance(segment, VideoFile):
+                json_segments.append({"video": len(videos)})
+                videos.append([(segment.suffix.lower().lstrip("."), segment.data)])
+            elif isinstance(segment, np.ndarray):
+                if segment.dtype != np.uint8 or segment.ndim != 4 or segment.shape[-1] != 3 or not segment.shape[0]:
+                    raise ValueError(f"sample {key!r} segment {i}: a clip array must be uint8 (T, H, W, 3), got "
+                                     f"{segment.dtype} {tuple(segment.shape)}")
+                frames = []
+                for t, frame in enumerate(segment):
+                    buffer = io.BytesIO()
+                    Image.fromarray(frame).save(buffer, format="PNG")
+                    frames.append((f"{t:06d}.png", buffer.getvalue()))
+                json_segments.append({"video": len(videos)})
+                videos.append(frames)
             else:
-                raise TypeError(f"sample {key!r} segment {i}: expected str or PIL.Image, got {type(segment).__name__}")
+                raise TypeError(f"sample {key!r} segment {i}: expected str, PIL.Image, VideoFile or a uint8 "
+                                f"(T, H, W, 3) array, got {type(segment).__name__}")
         body = json.dumps({"segments": json_segments}, ensure_ascii=False).encode()
-        size = len(body) + sum(len(b) for b in images)
+        size = len(body) + sum(len(b) for b in images) + sum(len(b) for members in videos for _, b in members)
         if self._tar is not None and (
             self._current["documents"] >= self.shard_max_docs
             or self._current["bytes"] + size > self.shard_max_bytes
@@ -145,12 +185,17 @@ class RawShardWriter:
         self._member(f"{key}.json", body)
         for index, data in enumerate(images):
             self._member(f"{key}.{index}.png", data)
+        for index, members in enumerate(videos):
+            for ext, data in members:
+                self._member(f"{key}.video{index}.{ext}", data)
         self._keys.add(key)
         self._current["documents"] += 1
         self._current["images"] += len(images)
+        self._current["videos"] += len(videos)
         self.counts["documents"] += 1
         self.counts["images"] += len(images)
-        self.counts["text_segments"] += len(json_segments) - len(images)
+        self.counts["videos"] += len(videos)
+        self.counts["text_segments"] += len(json_segments) - len(images) - len(videos)
 
     def has_key(self, key: str) -> bool:
         """Whether a document with this key was already added."""
@@ -260,8 +305,38 @@ def iter_tar_samples(
         raise ShardError(f"shard {path.name}: empty shard (no samples); remove it or re-create it")
 
 
-def parse_document(shard: str, key: str, files: dict[str, bytes]) -> list[str | tuple[str, bytes]]:
-    """Check one raw sample and return its segments: `str` for text, ("image", bytes) for an image."""
+def _video_members(where: str, index: int, files: dict[str, bytes]) -> tuple[bytes | tuple[bytes, ...], str]:
+    """Clip `index` of a sample: (the video file's bytes, ".mp4"...) or (the frames' PNG bytes in order, ".png")."""
+    whole, frames = [], {}
+    for ext, data in files.items():
+        match = _VIDEO_MEMBER.match(ext)
+        if match is None or int(match["index"]) != index:
+            continue
+        if match["frame"] is not None:
+            frames[int(match["frame"])] = data
+        elif match["ext"] in VIDEO_EXTENSIONS:
+            whole.append((match["ext"], data))
+        else:
+            raise ShardError(f"{where}: clip member video{index}.{match['ext']} is not a video file "
+                             f"({', '.join(sorted(VIDEO_EXTENSIONS))}) or a frame video{index}.NNNNNN.png")
+    if whole and frames or len(whole) > 1:
+        raise ShardError(f"{where}: clip {index} has several kinds of members (one video file, or PNG frames); "
+                         "re-create the shard")
+    if whole:
+        return whole[0][1], "." + whole[0][0]
+    if not frames:
+        raise ShardError(f"{where}: a segment references clip {index} but no video{index}.<ext> or "
+                         f"video{index}.000000.png member exists")
+    if sorted(frames) != list(range(len(frames))):
+        raise ShardError(f"{where}: clip {index}'s frames are not numbered 000000..{len(frames) - 1:06d} without gaps "
+                         f"(found {sorted(frames)[:8]}...); re-create the shard")
+    return tuple(frames[t] for t in range(len(frames))), ".png"
+
+
+def parse_document(shard: str, key: str, files: dict[str, bytes]) -> list[str | tuple]:
+    """Check one raw sample and return its segments: `str` for text, ("image", bytes) for an image,
+    ("video", bytes, suffix) for a clip stored as a video file (suffix ".mp4", ".webm", ...) and
+    ("video", (png bytes, ...), ".png") for a clip stored as frames; decode clips with `open_video`."""
     where = f"shard {shard}, key {key!r}"
     if "json" not in files:
         raise ShardError(f"{where}: no .json member (members: {sorted(files)})")
@@ -282,14 +357,28 @@ def parse_document(shard: str, key: str, files: dict[str, bytes]) -> list[str | 
             if member is None or member.rpartition(".")[2] not in IMAGE_EXTENSIONS:
                 raise ShardError(f"{where}: segment {i} references image {index} but no {index}.png/.jpg member exists")
             out.append(("image", files[member]))
+        elif (isinstance(segment, dict) and set(segment) == {"video"} and isinstance(segment["video"], int)
+              and not isinstance(segment["video"], bool)):
+            out.append(("video", *_video_members(where, segment["video"], files)))
         else:
-            raise ShardError(f'{where}: segment {i} must be {{"text": str}} or {{"image": int}}, got {segment!r}')
+            raise ShardError(f'{where}: segment {i} must be {{"text": str}}, {{"image": int}} or {{"video": int}}, '
+                             f"got {segment!r}")
     return out
 
 
-def iter_raw_shard(path: str | Path) -> Iterator[tuple[str, list[str | tuple[str, bytes]]]]:
-    """Yield (key, segments) from one raw shard; images stay encoded bytes (decode with open_image)."""
+def open_video(segment: tuple, name: str, max_frames: int | None = None) -> np.ndarray:
+    """A ("video", ...) segment of `parse_document` as uint8 (T, H, W, 3) frames; `ClipLoadError` (a ValueError)
+    naming `name` when it cannot be decoded. `max_frames` stops decoding early."""
+    _, payload, suffix = segment
+    if suffix == ".png":
+        return read_frame_images(payload[:max_frames] if max_frames is not None else payload, name=name)
+    return read_clip(payload, name=name, suffix=suffix, max_frames=max_frames)
+
+
+def iter_raw_shard(path: str | Path) -> Iterator[tuple[str, list[str | tuple]]]:
+    """Yield (key, segments) from one raw shard; images and clips stay encoded bytes (decode with open_image,
+    open_video)."""
     path = Path(path)
-    allowed = {"json"} | IMAGE_EXTENSIONS
+    allowed = {"json"} | IMAGE_EXTENSIONS | VIDEO_EXTENSIONS
     for key, files in iter_tar_samples(path, allowed):
         yield key, parse_document(path.name, key, files)

@@ -1,6 +1,8 @@
-"""Ingest sources: what users already have (image folders, img2dataset tars, OBELICS jsonl, text) and demo data.
+"""Ingest sources: what users already have (image folders, video folders, img2dataset tars, OBELICS jsonl, text) and
+demo data.
 
-Every source yields `Sample`s; each image is decoded once here (`open_image`), a bad one becomes a skip.
+Every source yields `Sample`s; each image and clip is decoded once here (`open_image`, `read_clip`), a bad one
+becomes a skip.
 """
 
 from __future__ import annotations
@@ -12,18 +14,21 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 from PIL import Image
 
-from data_shards.raw import IMAGE_EXTENSIONS, RawShardWriter, iter_tar_samples, safe_key
+from data_shards.raw import IMAGE_EXTENSIONS, RawShardWriter, VideoFile, iter_tar_samples, safe_key
 from tokenizer.image.preprocess import ImageLoadError, open_image
+from tokenizer.video.clips import VIDEO_SUFFIXES, ClipLoadError, list_clip_files, read_clip
 
 
 @dataclass
 class Sample:
-    """One document (`segments`: str or RGB PIL image) or, when `skip_reason` is set, a rejected one."""
+    """One document (`segments`: str, RGB PIL image, or a clip: `VideoFile` / uint8 (T, H, W, 3) frames) or, when
+    `skip_reason` is set, a rejected one."""
 
     key: str
-    segments: list[str | Image.Image] = field(default_factory=list)
+    segments: list[str | Image.Image | VideoFile | np.ndarray] = field(default_factory=list)
     skip_reason: str | None = None
 
 
@@ -87,6 +92,56 @@ def image_folder(root: str | Path, require_caption: bool = True) -> Iterator[Sam
             yield image
             continue
         yield Sample(key, [caption, image] if caption else [image])
+
+
+def _clip_or_skip(key: str, path: Path, min_frames: int) -> VideoFile | np.ndarray | Sample:
+    """The clip at `path` decoded once (so a bad one is a skip here, not an error at tokenize time): a video file
+    as its original bytes (`VideoFile`), a `.npy` array or a folder of frames as its frames; or the skip."""
+    try:
+        frames = read_clip(path)
+    except ClipLoadError as err:
+        return Sample(key, skip_reason=str(err))
+    if frames.shape[0] < min_frames:
+        return Sample(key, skip_reason=f"{path}: {frames.shape[0]} frames, fewer than --min-clip-frames "
+                                       f"{min_frames}; remove it or lower the minimum")
+    if path.is_file() and path.suffix.lower() in VIDEO_SUFFIXES:
+        return VideoFile(path.read_bytes(), path.suffix.lower())
+    return frames
+
+
+def video_folder(root: str | Path, require_caption: bool = True, min_frames: int = 1) -> Iterator[Sample]:
+    """Clips under `root` (recursive; `tokenizer.video.clips.list_clip_files`: `.npy` arrays, `.mp4`/`.webm`/...
+    files, folders of PNG/JPEG frames) with sidecar captions `NAME.txt` (`clip.mp4` + `clip.txt`, folder `clip/`
+    + `clip.txt`): documents [caption, clip]. Undecodable clips, and clips of fewer than `min_frames` frames, are
+    skips."""
+    root = Path(root)
+    if not root.is_dir():
+        raise FileNotFoundError(f"video folder {root} does not exist")
+    if min_frames < 1:
+        raise ValueError(f"min_frames must be at least 1, got {min_frames}")
+    for path in list_clip_files(root):
+        relative = path.relative_to(root)
+        stem = relative if path.is_dir() else relative.with_suffix("")
+        key = safe_key(str(stem))
+        if path.is_symlink() and not path.exists():
+            yield Sample(key, skip_reason=f"{path}: symbolic link loop or broken link; fix or remove the link")
+            continue
+        caption_path = path.parent / f"{path.name if path.is_dir() else path.stem}.txt"
+        caption = None
+        if caption_path.is_file():
+            text = _decode_utf8(caption_path.read_bytes(), f"caption file {caption_path}")
+            if isinstance(text, Sample):
+                yield Sample(key, skip_reason=text.skip_reason)
+                continue
+            caption = text.strip()
+        if caption is None and require_caption:
+            yield Sample(key, skip_reason=f"{path}: no caption file {caption_path.name}")
+            continue
+        clip = _clip_or_skip(key, path, min_frames)
+        if isinstance(clip, Sample):
+            yield clip
+            continue
+        yield Sample(key, [caption, clip] if caption else [clip])
 
 
 def img2dataset_tars(paths: Iterable[str | Path]) -> Iterator[Sample]:

@@ -22,6 +22,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="output directory for raw shards (must not hold a manifest yet)")
     write.add_argument("--image-folder", action="append", default=[], metavar="DIR",
                        help="folder of images with sidecar NAME.txt captions (repeatable)")
+    write.add_argument("--video-folder", action="append", default=[], metavar="DIR",
+                       help="folder of clips with sidecar NAME.txt captions (repeatable): .mp4/.webm/.mkv/.mov/.avi "
+                            "files (decoded with PyAV to check them, stored as they are), .npy uint8 (T,H,W,3) or "
+                            "(T,H,W) arrays (never unpickled) and folders of PNG/JPEG frames (NAME/ + NAME.txt), "
+                            "both stored as one PNG per frame")
+    write.add_argument("--min-clip-frames", type=int, default=1, metavar="N",
+                       help="clips of --video-folder with fewer frames are skipped and listed (refused with "
+                            "--strict); set it to the video tokenizer's clip_frames to catch short clips here, not at "
+                            "`shards tokenize`")
     write.add_argument("--img2dataset", action="append", default=[], metavar="TAR",
                        help="img2dataset output tar with KEY.jpg + KEY.txt + KEY.json (repeatable)")
     write.add_argument("--obelics", action="append", default=[], metavar="JSONL",
@@ -50,7 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="token shard directory; a rerun skips the shards already finished there")
     tok.add_argument("--vocab", required=True, help="unified vocabulary tokenizer.json (from `train.py vocab`)")
     tok.add_argument("--image-tokenizer", default=None,
-                     help="trained image tokenizer directory (from `train.py tokenizer`); omit for text-only data")
+                     help="trained image tokenizer directory (from `train.py tokenizer`); omit for text-only data. "
+                          "Raw shards with clips need a video tokenizer bundle (kind video): each clip becomes <bov> "
+                          "t*h*w codes <eov>; a clip longer than its clip_frames keeps its first clip_frames frames, "
+                          "a shorter one is refused, naming it")
     tok.add_argument("--flip-probability", type=float, default=0.5,
                      help="probability that a [caption, image] pair is emitted as [image, caption]")
     tok.add_argument("--seed", type=int, default=0, help="seed of the per-document flip decisions")
@@ -139,6 +151,7 @@ def _write(args: argparse.Namespace) -> int:
     from data_shards import sources
 
     streams = [sources.image_folder(d) for d in args.image_folder]
+    streams += [sources.video_folder(d, min_frames=args.min_clip_frames) for d in args.video_folder]
     if args.img2dataset:
         streams.append(sources.img2dataset_tars(args.img2dataset))
     streams += [sources.obelics_jsonl(p, args.image_root) for p in args.obelics]
@@ -150,13 +163,14 @@ def _write(args: argparse.Namespace) -> int:
     if args.emoji_dir:
         streams.append(itertools.islice(sources.demo_emoji(args.emoji_dir), args.demo_limit))
     if not streams:
-        raise ValueError("give `shards write` at least one source (--image-folder, --img2dataset, --obelics, --text, "
-                         "--demo)")
+        raise ValueError("give `shards write` at least one source (--image-folder, --video-folder, --img2dataset, "
+                         "--obelics, --text, --demo)")
     manifest = sources.write_raw(itertools.chain(*streams), args.out, strict=args.strict,
                                  shard_max_bytes=int(args.shard_max_mb * 1024 * 1024),
                                  shard_max_docs=args.shard_max_docs)
-    print(f"wrote {manifest['documents']} documents ({manifest['images']} images) in {len(manifest['shards'])} "
-          f"shards to {args.out}; skipped {manifest['skipped_count']}")
+    videos = f", {manifest['videos']} clips" if manifest.get("videos") else ""
+    print(f"wrote {manifest['documents']} documents ({manifest['images']} images{videos}) in "
+          f"{len(manifest['shards'])} shards to {args.out}; skipped {manifest['skipped_count']}")
     for skip in manifest["skipped"][:10]:
         print(f"  skipped {skip['key']}: {skip['reason']}")
     return 0
@@ -235,7 +249,7 @@ def _inspect(args: argparse.Namespace) -> int:
             for key, segments in iter_raw_shard(Path(args.dir) / shard["name"]):
                 if shown >= args.show:
                     return 0
-                parts = [s if isinstance(s, str) else f"<image {len(s[1])} bytes>" for s in segments]
+                parts = [s if isinstance(s, str) else _describe_raw(s) for s in segments]
                 print(f"{shard['name']} {key}: {parts}")
                 shown += 1
         return 0
@@ -258,9 +272,20 @@ def _inspect(args: argparse.Namespace) -> int:
         for i in range(min(args.show, len(shard))):
             ids = shard.ids[shard.offsets[i] : shard.offsets[i + 1]].astype("int64").tolist()
             shown = vocab.decode_document(ids, grid_shape=manifest.get("grid_shape")) if vocab else ids[:64]
-            shown = [s if isinstance(s, str) else f"<image {tuple(s.shape)}>" for s in shown] if vocab else shown
+            shown = [s if isinstance(s, str) else f"<{'video' if s.ndim == 3 else 'image'} {tuple(s.shape)}>"
+                     for s in shown] if vocab else shown
             print(f"{shard.name} {shard.keys[i]} ({len(ids)} tokens): {shown}")
     return 0
+
+
+def _describe_raw(segment: tuple) -> str:
+    """How `shards inspect --show` prints a raw image or clip segment."""
+    if segment[0] == "video":
+        payload, suffix = segment[1], segment[2]
+        if suffix == ".png":
+            return f"<video {len(payload)} PNG frames, {sum(map(len, payload))} bytes>"
+        return f"<video {suffix} {len(payload)} bytes>"
+    return f"<image {len(segment[1])} bytes>"
 
 
 def _verify(args: argparse.Namespace) -> int:

@@ -109,7 +109,8 @@ def test_json_referencing_a_missing_image(tmp_path):
     [
         (b"{not json", "not valid JSON"),
         (b'{"segments": []}', "at least one segment"),
-        (b'{"segments": [{"video": 1}]}', "segment 0 must be"),
+        (b'{"segments": [{"audio": 1}]}', "segment 0 must be"),
+        (b'{"segments": [{"video": 1}]}', "references clip 1 but no video1"),  # clips are segments now
         (b'["text"]', "segments"),
     ],
 )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -117,28 +118,39 @@ def _read_video(source: ClipSource, label: str, max_frames: int | None) -> np.nd
     return np.stack(frames)
 
 
+def _decode_frames(frames: list[tuple[str, object]], label: str) -> np.ndarray:
+    """(frame name, path or bytes) pairs in order as one uint8 (T, H, W, 3) clip; all frames need one size."""
+    decoded: list[np.ndarray] = []
+    for frame_name, source in frames:
+        try:
+            with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
+                decoded.append(np.asarray(image.convert("RGB")))
+        except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as err:
+            raise ClipLoadError(
+                f"{label}: frame {frame_name} is truncated or not an image ({type(err).__name__}: {err}); "
+                "re-export the frames"
+            ) from err
+        if decoded[-1].shape != decoded[0].shape:
+            raise ClipLoadError(
+                f"{label}: frame {frame_name} is {decoded[-1].shape[1]}x{decoded[-1].shape[0]}, frame "
+                f"{frames[0][0]} {decoded[0].shape[1]}x{decoded[0].shape[0]}; all frames need one size"
+            )
+    if not decoded:
+        raise ClipLoadError(f"{label}: a clip needs at least one frame")
+    return np.stack(decoded)
+
+
 def _read_frame_folder(folder: Path, label: str, max_frames: int | None) -> np.ndarray:
     paths = sorted(p for p in folder.iterdir() if p.suffix.lower() in FRAME_SUFFIXES and p.is_file())
     if not paths:
         raise ClipLoadError(f"{label}: a folder of frames needs PNG or JPEG files ({', '.join(FRAME_SUFFIXES)})")
-    if max_frames is not None:
-        paths = paths[:max_frames]
-    frames = []
-    for path in paths:
-        try:
-            with Image.open(path) as image:
-                frames.append(np.asarray(image.convert("RGB")))
-        except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as err:
-            raise ClipLoadError(
-                f"{label}: frame {path.name} is truncated or not an image ({type(err).__name__}: {err}); "
-                "re-export the frames"
-            ) from err
-        if frames[-1].shape != frames[0].shape:
-            raise ClipLoadError(
-                f"{label}: frame {path.name} is {frames[-1].shape[1]}x{frames[-1].shape[0]}, frame "
-                f"{paths[0].name} {frames[0].shape[1]}x{frames[0].shape[0]}; all frames need one size"
-            )
-    return np.stack(frames)
+    return _decode_frames([(p.name, p) for p in paths[:max_frames]], label)
+
+
+def read_frame_images(frames: Sequence[bytes], name: str = "<frames>") -> np.ndarray:
+    """Encoded frame images (PNG/JPEG bytes, in order) as one uint8 (T, H, W, 3) clip; `ClipLoadError` naming
+    `name` and the frame otherwise."""
+    return _decode_frames([(f"{t:06d}", data) for t, data in enumerate(frames)], name)
 
 
 def read_clip(
