@@ -165,8 +165,8 @@ class VideoTokenizer(nn.Module):
 
     def _clips_to_pixels(self, clips: Any) -> torch.Tensor:
         if isinstance(clips, torch.Tensor):
-            self._check_pixels(clips, "clip")
             self._check_clip_tensor(clips)
+            self._check_pixels(clips, "clip")
             return clips
         if isinstance(clips, np.ndarray):
             clips = [clips]
