@@ -203,8 +203,10 @@ def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: 
                 per_call = max(1, batch_size // clip_frames_of(image_tokenizer))
                 expected = tuple(int(side) for side in image_tokenizer.video_grid)
                 for start in range(0, len(clips), per_call):
+                    chunk = clips[start : start + per_call]
+                    sizes = {"batch_size": len(chunk)} if whole_batch else {}
                     with torch.inference_mode():
-                        codes = image_tokenizer.encode_clips(clips[start : start + per_call]).cpu()
+                        codes = image_tokenizer.encode_clips(chunk, **sizes).cpu()
                     if tuple(codes.shape[1:]) != expected:
                         raise ShardError(f"shard {raw_path.name}: the video tokenizer gave codes of shape "
                                          f"{tuple(codes.shape[1:])} for clips, its video_grid is {expected}; check "

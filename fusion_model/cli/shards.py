@@ -218,7 +218,14 @@ def _tokenize(args: argparse.Namespace) -> int:
               f"it, or run `train.py shards merge {args.out}` once all have")
         return 0
     merged = f" (all {world_size} ranks' parts merged)" if world_size > 1 else ""
-    print(f"{manifest['documents']} documents, {manifest['tokens']} tokens, {manifest['images']} images "
+    clips = ""
+    if manifest.get("video_grid"):  # the manifest's shard entries carry no clip count: the shards' metas do
+        from data_shards.token_shards import read_shard_meta
+
+        count = sum((read_shard_meta(args.out, s["name"]) or {}).get("clips", 0) for s in manifest["shards"])
+        clips = (f", {count} clips ({manifest['clip_frames']} frames -> "
+                 f"{'x'.join(map(str, manifest['video_grid']))} codes each)")
+    print(f"{manifest['documents']} documents, {manifest['tokens']} tokens, {manifest['images']} images{clips} "
           f"in {len(manifest['shards'])} token shards at {args.out}{merged}")
     return 0
 
@@ -271,7 +278,9 @@ def _inspect(args: argparse.Namespace) -> int:
         shard = TokenShard(args.dir, manifest["shards"][0]["name"], manifest["vocab_size"])
         for i in range(min(args.show, len(shard))):
             ids = shard.ids[shard.offsets[i] : shard.offsets[i + 1]].astype("int64").tolist()
-            shown = vocab.decode_document(ids, grid_shape=manifest.get("grid_shape")) if vocab else ids[:64]
+            grids = {"grid_shape": manifest.get("grid_shape"),
+                     **({"video_grid": manifest["video_grid"]} if manifest.get("video_grid") else {})}
+            shown = vocab.decode_document(ids, **grids) if vocab else ids[:64]
             shown = [s if isinstance(s, str) else f"<{'video' if s.ndim == 3 else 'image'} {tuple(s.shape)}>"
                      for s in shown] if vocab else shown
             print(f"{shard.name} {shard.keys[i]} ({len(ids)} tokens): {shown}")

@@ -307,3 +307,13 @@ def test_undecodable_clip_at_tokenize_names_shard_and_key(tmp_path):
         writer.add("bad", ["caption", VideoFile(b"not a video at all" * 50, ".mp4")])
     with pytest.raises(ShardError, match=r"shard-000000\.tar, key 'bad'"):
         pretokenize(tmp_path / "raw", tmp_path / "tok", FakeVideoVocab(), FakeVideoTokenizer(), progress=False)
+
+
+def test_caption_clip_pairs_flip_like_caption_image_pairs(tmp_path):
+    with RawShardWriter(tmp_path / "raw") as writer:
+        writer.add("pair", ["caption", moving_square(frames=8)])
+    manifest = pretokenize(tmp_path / "raw", tmp_path / "tok", FakeVideoVocab(), FakeVideoTokenizer(),
+                           flip_probability=1.0, progress=False)
+    shard = TokenShard(tmp_path / "tok", manifest["shards"][0]["name"], manifest["vocab_size"])
+    ids = shard.ids.astype(np.int64).tolist()
+    assert ids[:2] == [BOS, BOV] and ids[1 + 13] == EOV  # [clip, caption]: the clip first

@@ -129,3 +129,55 @@ def test_verify_of_a_damaged_directory_names_the_bad_shard_and_exits_2(tmp_path,
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("BAD s1:") and str(keys) in out[0] and "shards tokenize` into a fresh directory" in out[0]
     assert out[1].startswith("1 of 2 shards") and len(out) == 2
+
+
+def test_video_folder_write_tokenize_inspect_with_the_real_video_tokenizer_and_vocabulary(tmp_path, capsys):
+    from tokenizer.video import VideoTokenizer, VideoTokenizerConfig
+    from tokenizer.video.clips import write_mp4
+
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        clip = np.repeat(np.linspace(30, 220, 16, dtype=np.uint8)[None, None, :, None], 16, axis=1)
+        clip = np.repeat(np.repeat(clip, 6, axis=0), 3, axis=-1)  # 6 frames: the first 4 are tokenized
+        clip[:, 4:10, 4:10] = rng.integers(0, 255, 3).astype(np.uint8)
+        write_mp4(clip, folder / f"clip{i}.mp4")
+        (folder / f"clip{i}.txt").write_text(f"a square number {i}")
+    np.save(folder / "array.npy", np.zeros((4, 16, 16, 3), np.uint8))
+    (folder / "array.txt").write_text("a black clip")
+    (folder / "short.npy").write_bytes(b"")  # no caption: skipped and listed
+
+    raw = tmp_path / "raw"
+    assert cli.main(["shards", "write", "--out", str(raw), "--video-folder", str(folder)]) == 0
+    assert "wrote 3 documents (0 images, 3 clips) in 1 shards" in capsys.readouterr().out
+
+    vocab_path = train_unified_vocab(["a square number", "a black clip"] * 50, vocab_size=512, image_codes=32,
+                                     video=True).save(tmp_path / "tokenizer.json")
+    torch.manual_seed(0)
+    config = VideoTokenizerConfig(image_size=16, clip_frames=4, codebook_size=32, embed_dim=4, latent_channels=4,
+                                  base_channels=8, channel_multiplier=(1, 2), num_res_blocks=1, attn_resolutions=(),
+                                  norm_groups=4)
+    VideoTokenizer(config).save_pretrained(tmp_path / "video")
+    tokens = tmp_path / "tokens"
+    assert cli.main(["shards", "tokenize", str(raw), "--out", str(tokens), "--vocab", str(vocab_path),
+                     "--image-tokenizer", str(tmp_path / "video"), "--no-progress", "--workers", "1",
+                     "--flip-probability", "0"]) == 0
+    assert "3 clips (4 frames -> 1x8x8 codes each)" in capsys.readouterr().out
+    manifest = read_manifest(tokens)
+    assert manifest["video_grid"] == [1, 8, 8] and manifest["clip_frames"] == 4 and manifest["grid_shape"] == [8, 8]
+    from tokenizer.vocab import UnifiedVocab
+
+    vocab = UnifiedVocab.load(vocab_path)
+    assert (manifest["bov_id"], manifest["eov_id"]) == (vocab.bov_id, vocab.eov_id)
+    from data_shards.token_shards import TokenShard
+
+    shard = TokenShard(tokens, manifest["shards"][0]["name"], manifest["vocab_size"])
+    ids = shard.ids[shard.offsets[0] : shard.offsets[1]].astype(np.int64).tolist()
+    start = ids.index(vocab.bov_id)
+    assert ids[start + 65] == vocab.eov_id and ids[0] == vocab.bos_id and ids[-1] == vocab.eos_id
+    assert all(vocab.image_offset <= i < vocab.image_offset + 32 for i in ids[start + 1 : start + 65])
+    assert cli.main(["shards", "verify", str(tokens)]) == 0
+    capsys.readouterr()
+    assert cli.main(["shards", "inspect", str(tokens), "--show", "1", "--vocab", str(vocab_path)]) == 0
+    assert "<video (1, 8, 8)>" in capsys.readouterr().out
