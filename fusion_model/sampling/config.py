@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-MODES = ("text", "image", "interleaved")
+MODES = ("text", "image", "interleaved", "video")
 
 
 @dataclass
@@ -30,8 +30,10 @@ class SamplingConfig:
     NaN would pass every range check below and infinity is no setting), then its range.
     """
 
-    mode: str = "interleaved"  # "text" | "image" (text-to-image: one image, <boi> forced) | "interleaved"
-    max_new_tokens: int | None = None  # None: text until eos or the context is full; image: h·w + 2
+    # "text" | "image" (text-to-image: one image, <boi> forced) | "interleaved" | "video" (text-to-video: one clip,
+    # <bov> forced, needs video_grid and a vocabulary with video markers)
+    mode: str = "interleaved"
+    max_new_tokens: int | None = None  # None: text until eos or the context is full; image: h·w + 2; video: t·h·w + 2
     text_temperature: float = 1.0
     text_top_k: int = 0
     text_top_p: float = 1.0
@@ -44,6 +46,9 @@ class SamplingConfig:
     cfg_text_scale: float | None = None
     seed: int | None = None
     image_grid: tuple[int, int] | None = None  # (h, w) codes per image; generate() takes the tokenizer's
+    # (t, h, w) codes per video clip (time, rows, columns), from the video tokenizer like image_grid; None: no clips
+    # (interleaved sampling then never opens one)
+    video_grid: tuple[int, int, int] | None = None
     stop_at_eos: bool = True
     use_kv_cache: bool = True  # False recomputes the whole sequence every step (the reference path)
     compile: bool = False  # torch.compile the decode step (CUDA: as a CUDA graph); same tokens, a one-off compile
@@ -74,6 +79,10 @@ class SamplingConfig:
             self.image_grid = (int(self.image_grid[0]), int(self.image_grid[1]))
             if min(self.image_grid) < 1:
                 raise ValueError(f"SamplingConfig.image_grid={self.image_grid} must be positive")
+        if self.video_grid is not None:
+            self.video_grid = tuple(int(v) for v in self.video_grid)
+            if min(self.video_grid) < 1:
+                raise ValueError(f"SamplingConfig.video_grid={self.video_grid} must be positive")
         if self.compile and not self.use_kv_cache:
             raise ValueError(
                 "SamplingConfig.compile needs the KV cache: without it every step has a new shape and would compile "
@@ -108,7 +117,7 @@ class SamplingConfig:
             elif kind is str:
                 if not isinstance(value, str):
                     raise ValueError(f"{where} must be a string{_flag(name)}")
-            elif typing.get_origin(kind) is tuple:  # image_grid: (h, w), whole numbers
+            elif typing.get_origin(kind) is tuple:  # image_grid: (h, w), video_grid: (t, h, w), whole numbers
                 size = len(typing.get_args(kind))
                 if (isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or len(value) != size
                         or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in value)):
@@ -147,5 +156,5 @@ def _without_none(hint: Any) -> tuple[Any, bool]:
 
 def _flag(name: str) -> str:
     """` (--field-name)`: the `train.py generate` option of a number field (fusion_model.cli.generate makes one per
-    field by this rule; image_grid comes from --image-tokenizer and has none)."""
-    return "" if name == "image_grid" else f" (--{name.replace('_', '-')})"
+    field by this rule; image_grid and video_grid come from --image-tokenizer and have none)."""
+    return "" if name in ("image_grid", "video_grid") else f" (--{name.replace('_', '-')})"

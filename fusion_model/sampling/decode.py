@@ -99,23 +99,26 @@ def _decode(
     """The decode loop until every prompt is done; fills `out`, returns the forwards made (the prefill included).
 
     The prefill and the first token run eagerly. Every later forward is a `PlainStep` (one token per prompt) or,
-    with speculative_window and while a prompt is inside an image, a `SpeculativeStep`; compiled when
+    with speculative_window and while a prompt is inside an image or a clip, a `SpeculativeStep`; compiled when
     config.compile. Text decoding with speculative_window on gives the plain sampler's tokens for a seed: its
     forwards are plain steps that draw the same noise.
     """
     window = int(config.speculative_window)
     rows, boi_first = streams.rows, None
-    if config.mode == "image":
-        # image mode forces <boi>: it joins the prompt, so the prefill gives the first code's distribution
+    one_span = config.mode in ("image", "video")  # one image (clip), its opener forced, the row stops at its end
+    opener = vocab.bov_id if config.mode == "video" else vocab.boi_id
+    if one_span:
+        # image (video) mode forces <boi> (<bov>): it joins the prompt, so the prefill gives the first code's
+        # distribution
         boi_first = ~rules.in_image & ~rules.done
         needs = boi_first.tolist()
-        rows = [row + [vocab.boi_id] if needs[i % streams.n_prompts] else row for i, row in enumerate(rows)]
+        rows = [row + [opener] if needs[i % streams.n_prompts] else row for i, row in enumerate(rows)]
     feeder = CacheFeeder(model, rows, vocab.pad_id, rules.steps, config.use_kv_cache, out.device,
                          chunk=window + 1, cache_multiple=COMPILED_CACHE_MULTIPLE if config.compile else 1)
     noise = new_noise_buffer(config, streams.n_prompts, int(vocab.vocab_size), out.device)
     step = PlainStep(feeder, streams, rules, seen_text, config, noise, vocab.pad_id, out)
     if boi_first is not None:
-        step.take(torch.full_like(step.token, vocab.boi_id), boi_first)
+        step.take(torch.full_like(step.token, opener), boi_first)
     was_in_image = rules.in_image.clone()
     logits = feeder.prefill()
     step.choose(logits, redraw_noise(noise, generator))
@@ -130,10 +133,11 @@ def _decode(
     forwards = 1
 
     def close_images() -> None:
-        """Image mode: `<eoi>` is forced after the last code, so it is taken without a forward."""
-        step.take(torch.full_like(step.token, vocab.eoi_id), rules.in_image)
+        """Image (video) mode: `<eoi>` (`<eov>`) is forced after the last code, so it is taken without a forward."""
+        closer = vocab.eov_id if config.mode == "video" else vocab.eoi_id
+        step.take(torch.full_like(step.token, closer), rules.in_image)
 
-    if config.mode == "image" and speculative is None:
+    if one_span and speculative is None:
         # the length is known (one read back here, none in the loop): a forward per code still to draw, then
         # <eoi>, which is forced, so it needs no forward
         left = int(torch.where(rules.done, 0, rules.n_codes - rules.codes_done).max())
@@ -155,7 +159,7 @@ def _decode(
                 [live.any(), (rules.in_image & live).any(), needs_forward.any()]).tolist()
             if not any_live:
                 break
-            if config.mode == "image" and not any_needs_forward:
+            if one_span and not any_needs_forward:
                 close_images()
                 break
             if any_inside_image:

@@ -130,8 +130,9 @@ def new_noise_buffer(
     config: SamplingConfig, rows: int, vocab_size: int, device: torch.device
 ) -> torch.Tensor | None:
     """The buffer for each step's sampling noise; None when every modality the mode samples is greedy (no noise is
-    drawn). Image mode samples text only where one id is allowed (`<boi>`), so its text temperature never counts."""
-    text = config.mode != "image" and config.text_temperature > 0
+    drawn). Image (video) mode samples text only where one id is allowed (`<boi>`, `<bov>`), so its text temperature
+    never counts."""
+    text = config.mode not in ("image", "video") and config.text_temperature > 0
     image = config.mode != "text" and config.image_temperature > 0
     if not (text or image):
         return None

@@ -60,7 +60,7 @@ class PlainStep:
         """Every tensor the step changes in place (a CUDA graph must keep them at fixed addresses)."""
         rules, cache = self.rules, self.feeder.cache
         tensors = [self.token, self.out, self.feeder.next_pos, rules.n_new, rules.codes_done,
-                   rules.in_image, rules.done]
+                   rules.in_image, rules.in_video, rules.done]
         if self.seen_text is not None:
             tensors.append(self.seen_text.mask)
         if self.noise is not None:

@@ -11,14 +11,14 @@ from fusion_model.sampling.config import SamplingConfig
 
 
 def image_only_prompt(prompt: list[int], vocab: Any) -> list[int]:
-    """The 'img' stream of three-stream guidance: `<s>` plus only the complete images of the prompt.
+    """The 'img' stream of three-stream guidance: `<s>` plus only the complete images and clips of the prompt.
 
-    An image the prompt ends inside is kept too: the conditional stream is about to finish it.
+    An image (clip) the prompt ends inside is kept too: the conditional stream is about to finish it.
     """
     spans = vocab.spans(prompt)
     out = [vocab.bos_id]
     for span in spans:
-        if span.is_image and (span.closed or span is spans[-1]):
+        if span.kind != "text" and (span.closed or span is spans[-1]):
             out += prompt[span.start : span.end]
     return out
 

@@ -86,6 +86,6 @@ def test_bad_requests_are_refused_with_what_to_do(vocab):
     with pytest.raises(ValueError, match="image_offset"):
         generate_ids(shifted, vocab, [[vocab.bos_id]], SamplingConfig(mode="text"))
     with pytest.raises(ValueError, match="mode"):
-        SamplingConfig(mode="video")
+        SamplingConfig(mode="audio")
     with pytest.raises(ValueError, match="cfg_text_scale"):
         SamplingConfig(cfg_image_scale=1.2)
