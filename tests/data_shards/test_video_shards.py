@@ -317,3 +317,14 @@ def test_caption_clip_pairs_flip_like_caption_image_pairs(tmp_path):
     shard = TokenShard(tmp_path / "tok", manifest["shards"][0]["name"], manifest["vocab_size"])
     ids = shard.ids.astype(np.int64).tolist()
     assert ids[:2] == [BOS, BOV] and ids[1 + 13] == EOV  # [clip, caption]: the clip first
+
+
+def test_documents_mix_text_images_and_clips(tmp_path):
+    with RawShardWriter(tmp_path / "raw") as writer:
+        writer.add("mixed", ["look", Image.new("RGB", (16, 16), "red"), "then", moving_square(frames=8), "end"])
+    manifest = pretokenize(tmp_path / "raw", tmp_path / "tok", FakeVideoVocab(), FakeVideoTokenizer(),
+                           progress=False)
+    assert (manifest["images"], manifest["documents"]) == (1, 1)
+    ids = TokenShard(tmp_path / "tok", manifest["shards"][0]["name"], manifest["vocab_size"]).ids.astype(int).tolist()
+    boi, bov = ids.index(BOI), ids.index(BOV)
+    assert boi < bov and ids[boi + 7] == EOI and ids[bov + 13] == EOV  # 2x3 image codes, then 2x2x3 clip codes
