@@ -236,6 +236,8 @@ def run(args: argparse.Namespace) -> dict[str, Path]:
         samples += out
         ids += new_ids
     settings = asdict(config) | {"checkpoint": str(args.checkpoint)}
+    if getattr(image_tokenizer, "video_grid", None) is not None:  # the clips' (t, h, w), as the sampler used it
+        settings["video_grid"] = [int(n) for n in image_tokenizer.video_grid]
     return write_samples(args.out, samples, prompts=prompts, ids=ids, settings=settings, title="train.py generate")
 
 

@@ -309,3 +309,60 @@ def test_mode_video_needs_a_video_tokenizer(files):
     with pytest.raises(ValueError, match="mode 'video' needs a video tokenizer"):
         video_grid_setting(SamplingConfig(mode="video"), image_tokenizer)
     assert video_grid_setting(SamplingConfig(mode="image"), image_tokenizer) == {}
+
+
+@pytest.fixture(scope="module")
+def video_files(tmp_path_factory):
+    """A tiny random video tokenizer (16-px frames, 4-frame clips -> 1 x 4 x 4 codes of 16), a vocabulary with the
+    video markers, and a decoder checkpoint of that layout."""
+    from tokenizer.video import VideoTokenizer, VideoTokenizerConfig
+
+    folder = tmp_path_factory.mktemp("video")
+    torch.manual_seed(0)
+    config = VideoTokenizerConfig(image_size=16, clip_frames=4, codebook_size=16, embed_dim=4, latent_channels=4,
+                                  base_channels=8, channel_multiplier=(1, 2, 2), num_res_blocks=1,
+                                  attn_resolutions=(), norm_groups=4)
+    VideoTokenizer(config).eval().save_pretrained(folder / "video")
+    vocab = train_unified_vocab(CORPUS, vocab_size=320, image_codes=16, video=True)
+    vocab.save(folder / "tokenizer.json")
+    model_config = FusionConfig.from_preset("tiny", vocab_size=320, image_offset=vocab.image_offset, image_codes=16,
+                                            max_seq_len=48)
+    save_model(FusionModel(model_config), folder / "model.ckpt")
+    return folder
+
+
+def test_generate_mode_video_writes_gif_mp4_and_a_frame_strip_and_prints_them(video_files, tmp_path, capsys):
+    from fusion_model.sampling import MODES
+    from tokenizer.image import load_image_tokenizer
+    from tokenizer.vocab import UnifiedVocab
+
+    if "video" not in MODES:
+        pytest.skip("the sampler has no video mode yet")
+    out = tmp_path / "clips"
+    argv = ["--checkpoint", str(video_files / "model.ckpt"), "--vocab", str(video_files / "tokenizer.json"),
+            "--image-tokenizer", str(video_files / "video"), "--prompt", "the cat", "--mode", "video",
+            "--num-samples", "2", "--cfg-scale", "2", "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    vocab = UnifiedVocab.load(video_files / "tokenizer.json")
+    tokenizer = load_image_tokenizer(video_files / "video")
+    t, h, w = tokenizer.video_grid
+    body = json.loads((out / "samples.json").read_text())
+    assert body["settings"]["video_grid"] == [t, h, w]
+    for sample in body["samples"]:
+        ids = sample["ids"]
+        assert ids[0] == vocab.bov_id and ids[-1] == vocab.eov_id and len(ids) == t * h * w + 2
+        (clip,) = sample["output"]
+        with Image.open(out / clip["clip"]) as gif:
+            assert gif.n_frames == tokenizer.config.clip_frames and gif.size == (16, 16)
+        # the GIF holds the frames decode_clips makes of the sampled codes
+        codes = torch.tensor(ids[1:-1]).view(t, h, w) - vocab.image_offset
+        from fusion_model.generation import clip_frames
+
+        expected = clip_frames(tokenizer.decode_clips(codes[None])[0])
+        with Image.open(out / clip["clip"]) as gif:
+            gif.seek(1)
+            assert np.abs(np.asarray(gif.convert("RGB")).astype(int) - expected[1]).max() <= 8  # GIF palette
+        assert (out / clip["strip"]).is_file() and ("mp4" not in clip or (out / clip["mp4"]).is_file())
+        assert f"<clip: {out / clip['clip']}" in printed
+    assert "2 generated clips" in printed
