@@ -7,6 +7,13 @@ A row holds pieces of documents of one shard only, packed by best-fit decreasing
 lengths alone, so a shard's rows depend on nothing but that shard and seq_len: the stream needs only the counts of
 all shards (O(shards), read from the plan file) to lay out an epoch, and builds the tables of a shard when a rank
 is about to read it.
+
+Some spans are never cut (`whole_images`): a continuous image of a latent shard (Transfusion), and a video clip of a
+shard whose manifest declares video. A manifest declares video with the clip markers' ids `bov_id` and `eov_id`
+(ints; absent or null: no clips) beside `video_grid`, the [t, h, w] shape of every clip's codes (Emu3's meta; the
+ids hold only `<bov>`, t*h*w codes, `<eov>`). A clip is then `<bov>` ... the next `<eov>` of its document, and a
+document is cut before a clip's `<bov>` rather than inside it; a clip longer than seq_len is refused, naming its
+shard, document and key.
 """
 
 from __future__ import annotations
@@ -83,14 +90,18 @@ class ShardRows:
         return len(self.row_ptr) - 1
 
 
-def shard_rows(offsets: np.ndarray, seq_len: int, no_cut: np.ndarray | None = None) -> ShardRows:
+def shard_rows(offsets: np.ndarray, seq_len: int, no_cut: np.ndarray | None = None, *, shard: TokenShard | None = None,
+               clips: bool = False) -> ShardRows:
     """Cut a shard's documents (its offsets) into pieces of at most seq_len tokens and pack them into rows.
 
     `no_cut` (bool per id of the shard, from `whole_images`): positions a piece may not start at, so that a
-    continuous image stays in one row; a document is then cut at the start of the image that would be split.
+    continuous image (a clip) stays in one row; a document is then cut at the start of the span that would be
+    split. shard, clips: for the message when a span is longer than seq_len (the shard's name and the document's
+    key; whether the spans are clips).
     """
     starts, lengths = offsets[:-1], np.diff(offsets)
     keep = lengths > 0
+    documents = np.flatnonzero(keep)
     starts, lengths = starts[keep], lengths[keep]
     if no_cut is None or not (lengths > seq_len).any():
         pieces = -(-lengths // seq_len)
@@ -100,9 +111,41 @@ def shard_rows(offsets: np.ndarray, seq_len: int, no_cut: np.ndarray | None = No
         piece_start = (starts[piece_doc] + within * seq_len).astype(np.int64)
         piece_len = np.minimum(seq_len, lengths[piece_doc] - within * seq_len).astype(np.int64)
     else:
-        piece_start, piece_len = _cut_around(starts, lengths, seq_len, no_cut)
+        try:
+            piece_start, piece_len = _cut_around(starts, lengths, seq_len, no_cut)
+        except _SpanTooLong as err:
+            raise ShardError(_too_long(err, int(documents[err.document]), seq_len, no_cut, shard, clips)) from None
     row_ptr, row_pieces = pack_rows(piece_len, seq_len)
     return ShardRows(piece_start, piece_len, row_ptr, row_pieces)
+
+
+class _SpanTooLong(Exception):
+    """A span that may not be cut is longer than seq_len: the document (index among the non-empty ones), where the
+    span starts and where its document ends (ids of the shard)."""
+
+    def __init__(self, document: int, start: int, end: int) -> None:
+        super().__init__(document, start, end)
+        self.document, self.start, self.end = document, start, end
+
+
+def _too_long(err: _SpanTooLong, document: int, seq_len: int, no_cut: np.ndarray, shard: TokenShard | None,
+              clips: bool) -> str:
+    """The message for a span longer than seq_len, naming the shard, the document and its key when known."""
+    inside = np.flatnonzero(~np.asarray(no_cut[err.start + 1 : err.end]))
+    length = int(inside[0]) + 1 if len(inside) else err.end - err.start
+    where = "its shard"
+    if shard is not None:
+        try:
+            key = f" (key {shard.keys[document]!r})"
+        except ShardError:  # the keys file is damaged: the document's index still names it
+            key = ""
+        where = f"document {document}{key} of shard {shard.name}"
+    if clips:
+        return (f"a video clip of {length} ids (<bov>, its codes, <eov>) at id {err.start} of {where} is longer than "
+                f"seq_len {seq_len}: a row never cuts a clip; train with --data.seq_len >= {length}, or tokenize "
+                "shorter or smaller clips (fewer frames, a coarser video grid)")
+    return (f"a continuous image at id {err.start} of {where} is longer than seq_len {seq_len} with its markers: "
+            "train with a longer --data.seq_len, or tokenize with a larger --patch-size (fewer positions per image)")
 
 
 def _cut_around(starts: np.ndarray, lengths: np.ndarray, seq_len: int, no_cut: np.ndarray
@@ -110,16 +153,14 @@ def _cut_around(starts: np.ndarray, lengths: np.ndarray, seq_len: int, no_cut: n
     """Pieces of at most seq_len tokens, each cut moved back to the nearest position not in `no_cut`."""
     piece_start: list[int] = []
     piece_len: list[int] = []
-    for start, length in zip(starts.tolist(), lengths.tolist()):
+    for document, (start, length) in enumerate(zip(starts.tolist(), lengths.tolist())):
         end = start + length
         while end - start > seq_len:
             cut = start + seq_len
             while no_cut[cut] and cut > start:
                 cut -= 1
             if cut == start:
-                raise ShardError(f"a continuous image at id {start} of its shard is longer than seq_len {seq_len} "
-                                 "with its markers: train with a longer --data.seq_len, or tokenize with a larger "
-                                 "--patch-size (fewer positions per image)")
+                raise _SpanTooLong(document, start, end)
             piece_start.append(start)
             piece_len.append(cut - start)
             start = cut
@@ -128,17 +169,61 @@ def _cut_around(starts: np.ndarray, lengths: np.ndarray, seq_len: int, no_cut: n
     return np.asarray(piece_start, dtype=np.int64), np.asarray(piece_len, dtype=np.int64)
 
 
-def whole_images(ids: np.ndarray, header: dict) -> np.ndarray | None:
-    """For shards of continuous images (`feature_kind` "latent"): the positions no row may start at (each
-    `<image>` placeholder, and an `<eoi>` right after one), so `<boi>`, the patches and `<eoi>` share a row; None
-    for other shards, whose cuts stay every seq_len ids (codes of an image may sit in two rows there)."""
-    placeholder = latent_placeholder(header)
-    if placeholder is None:
+def video_markers(header: dict) -> tuple[int, int] | None:
+    """(bov_id, eov_id) when the manifest declares video clips (both ids set), else None."""
+    bov, eov = header.get("bov_id"), header.get("eov_id")
+    if bov is None or eov is None:
         return None
-    is_patch = np.asarray(ids) == placeholder
-    no_cut = is_patch.copy()
-    no_cut[1:] |= (np.asarray(ids[1:]) == int(header["eoi_id"])) & is_patch[:-1]
+    return int(bov), int(eov)
+
+
+def _inside_clips(ids: np.ndarray, bov: int, eov: int, offsets: np.ndarray | None) -> np.ndarray:
+    """Per id: whether it follows a `<bov>` of its document with no `<eov>` in between (a clip's codes and its
+    `<eov>`; never its `<bov>`)."""
+    index = np.arange(len(ids), dtype=np.int64)
+    before = np.full(len(ids), -1, dtype=np.int64)  # the last <bov> (<eov>, document start) strictly before each id
+    last_bov = np.maximum.accumulate(np.where(ids == bov, index, -1)) if len(ids) else before
+    last_eov = np.maximum.accumulate(np.where(ids == eov, index, -1)) if len(ids) else before
+    prev_bov, prev_eov = before.copy(), before.copy()
+    prev_bov[1:], prev_eov[1:] = last_bov[:-1], last_eov[:-1]
+    inside = prev_bov > prev_eov
+    if offsets is not None and len(ids):  # a clip left open at a document's end ends there
+        starts = np.full(len(ids), -1, dtype=np.int64)
+        firsts = np.asarray(offsets[:-1], dtype=np.int64)
+        firsts = firsts[firsts < len(ids)]
+        starts[firsts] = firsts
+        inside &= prev_bov >= np.maximum.accumulate(starts)
+    return inside
+
+
+def whole_images(ids: np.ndarray, header: dict, offsets: np.ndarray | None = None) -> np.ndarray | None:
+    """The positions no row may start at, or None when any may (cuts every seq_len ids: codes of a VQ image may
+    sit in two rows).
+
+    Shards of continuous images (`feature_kind` "latent"): each `<image>` placeholder, and an `<eoi>` right after
+    one, so `<boi>`, the patches and `<eoi>` share a row. Shards whose manifest declares video (`video_markers`):
+    every id after a clip's `<bov>` up to its `<eov>`, so a clip is never cut (offsets: the shard's, so that a
+    clip left open ends with its document)."""
+    placeholder = latent_placeholder(header)
+    markers = video_markers(header)
+    if placeholder is None and markers is None:
+        return None
+    ids = np.asarray(ids)
+    no_cut = np.zeros(len(ids), dtype=bool)
+    if placeholder is not None:
+        is_patch = ids == placeholder
+        no_cut |= is_patch
+        no_cut[1:] |= (ids[1:] == int(header["eoi_id"])) & is_patch[:-1]
+    if markers is not None:
+        no_cut |= _inside_clips(ids, *markers, offsets)
     return no_cut
+
+
+def plan_shard(shard: TokenShard, header: dict, seq_len: int) -> ShardRows:
+    """A shard's pieces and rows at seq_len under the dataset's rules (`whole_images`); a span too long to keep
+    whole is refused naming the shard, the document and its key."""
+    no_cut = whole_images(shard.ids, header, shard.offsets)
+    return shard_rows(shard.offsets, seq_len, no_cut, shard=shard, clips=video_markers(header) is not None)
 
 
 def manifest_digest(token_dir: str | Path) -> str:
@@ -293,7 +378,7 @@ def _count_rows(token_dir: str, names: list[str], header: dict, seq_len: int) ->
     counts = []
     for name in names:
         shard = TokenShard(token_dir, name, int(header["vocab_size"]), verify=False)
-        counts.append(shard_rows(shard.offsets, seq_len, whole_images(shard.ids, header)).num_rows)
+        counts.append(plan_shard(shard, header, seq_len).num_rows)
     return counts
 
 

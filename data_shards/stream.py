@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from data_shards.plan import ShardRows, load_row_counts, pack_rows, read_index, shard_rows, whole_images
+from data_shards.plan import ShardRows, load_row_counts, pack_rows, plan_shard, read_index
 from data_shards.raw import ShardError
 from data_shards.token_shards import LATENT_KIND, TokenShard, latent_placeholder
 from tokenizer.layout import image_position_mask
@@ -383,7 +383,7 @@ class PackedTokenStream(IterableDataset):
         if shard not in self._tables:
             opened: TokenShard = self._check(shard).result()  # raises ShardError naming the file; before any row is used
             self._verified.add(shard)
-            rows = shard_rows(opened.offsets, self.seq_len, whole_images(opened.ids, self.manifest))
+            rows = plan_shard(opened, self.manifest, self.seq_len)  # never cuts a clip (or a continuous image)
             if rows.num_rows != int(self.shard_rows[shard]):
                 raise ShardError(f"shard {opened.name} ({opened.path('.offsets.npy')}) packs into {rows.num_rows} rows "
                                  f"at seq_len {self.seq_len}, but the row plan says {int(self.shard_rows[shard])}: "
