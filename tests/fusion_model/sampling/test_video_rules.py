@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fusion_model.sampling import SamplingConfig, generate_ids
+from fusion_model.sampling import SamplingConfig, generate_ids, image_only_prompt
 from tokenizer.vocab import train_unified_vocab
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -228,6 +228,25 @@ def test_speculative_decoding_inside_clips_gives_the_greedy_clip(vocab, window):
         stats: dict = {}
         fast = generate_ids(model, vocab, prompts, replace(config, speculative_window=window), stats=stats)
         assert fast == generate_ids(model, vocab, prompts, config)
+
+
+def test_speculative_sampling_inside_clips_keeps_the_rules(vocab):
+    model = steer_video(tiny_model(vocab), vocab, 6.0, torch.Generator().manual_seed(8))
+    prompt = vocab.encode_document(["the cat"], eos=False)
+    for mode in ("video", "interleaved"):
+        config = SamplingConfig(mode=mode, image_grid=(2, 2), video_grid=(2, 2, 2), max_new_tokens=30, seed=4,
+                                speculative_window=3, cfg_scale=2.0)
+        (new,) = generate_ids(model, vocab, [prompt], config)
+        check_rules(prompt, new, vocab, (2, 2), (2, 2, 2), mode, 64, 30)
+
+
+def test_the_image_conditional_stream_keeps_clips(vocab):
+    clip = torch.zeros(1, 1, 2, dtype=torch.long)
+    prompt = vocab.encode_document(["a", clip, "b", torch.zeros(1, 1, dtype=torch.long), "c"], eos=False)
+    prompt += [vocab.bov_id, vocab.image_offset]
+    assert image_only_prompt(prompt, vocab) == [vocab.bos_id, vocab.bov_id, *[vocab.image_offset] * 2, vocab.eov_id,
+                                                vocab.boi_id, vocab.image_offset, vocab.eoi_id, vocab.bov_id,
+                                                vocab.image_offset]
 
 
 def test_compiled_step_samples_the_same_clip(vocab):
