@@ -32,17 +32,42 @@ def export_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def is_video_run(argv: list[str]) -> bool:
+    """Whether the model preset of a `tokenizer fit|validate|...` command line (its last `--model.preset`, else the
+    one of its last `--config` YAML that names one) is a video tokenizer preset (`video-...`, `emu3`)."""
+    import yaml
+
+    from tokenizer.video.config import VIDEO_PRESETS
+
+    preset = None
+    for i, arg in enumerate(argv):
+        name, _, value = arg.partition("=")
+        if name not in ("--model.preset", "--config"):
+            continue
+        value = value or (argv[i + 1] if i + 1 < len(argv) else "")
+        if name == "--model.preset":
+            preset = value
+        elif Path(value).is_file():
+            model = (yaml.safe_load(Path(value).read_text()) or {}).get("model") or {}
+            named = model.get("preset", (model.get("init_args") or {}).get("preset"))
+            preset = named if named is not None else preset
+    return preset in VIDEO_PRESETS
+
+
 def export(argv: list[str]) -> int:
     """Convert a Lightning checkpoint of `ImageTokenizerModule` into an `ImageTokenizer.from_pretrained` bundle."""
     args = export_parser().parse_args(argv)
 
     from tokenizer.files import load_checkpoint_file
     from tokenizer.image.lightning import ImageTokenizerModule, bundle_description
+    from tokenizer.video.config import VIDEO_PRESETS
+    from tokenizer.video.lightning import VideoTokenizerModule
 
     checkpoint = load_checkpoint_file(args.checkpoint)
     hparams = dict(checkpoint.get("hyper_parameters") or {})
+    module_class = VideoTokenizerModule if hparams.get("preset") in VIDEO_PRESETS else ImageTokenizerModule
     try:
-        module = ImageTokenizerModule(**{k: v for k, v in hparams.items() if not k.startswith("_")})
+        module = module_class(**{k: v for k, v in hparams.items() if not k.startswith("_")})
         module.load_state_dict(checkpoint["state_dict"], strict=True)
     except (KeyError, TypeError, RuntimeError) as err:  # another kind of checkpoint: bad input, not a crash
         raise ValueError(
@@ -62,7 +87,8 @@ def overview() -> str:
         "       " + EXPORT_HELP.removeprefix("usage: "),
         "",
         "Train and evaluate an image tokenizer (LightningCLI), or turn a checkpoint into an inference bundle:",
-        "VQ presets give integer codes (Chameleon), kl-* presets continuous latents (Transfusion).",
+        "VQ presets give integer codes (Chameleon), kl-* presets continuous latents (Transfusion), video-* presets",
+        "train Emu3's video tokenizer on a folder of clips (4 frames -> 1 latent frame of codes; images too).",
         f"Presets (configs/tokenizer/): {', '.join(presets)}.",
         "",
         "Options most runs change (`tokenizer fit --help` lists all, with defaults; it takes a few seconds):",
@@ -95,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     from lightning.pytorch.cli import LightningCLI
 
     from tokenizer.image.lightning import ExportTokenizer, ImageDataModule, ImageTokenizerModule
+    from tokenizer.video.lightning import VideoDataModule, VideoTokenizerModule
+
+    video = is_video_run(argv[1:])  # a video preset trains the video tokenizer on a folder of clips
 
     class TokenizerCLI(LightningCLI):
         """LightningCLI whose default logging is TensorBoard + CSV under trainer.default_root_dir."""
@@ -128,8 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
     try:
         TokenizerCLI(
-            ImageTokenizerModule,
-            ImageDataModule,
+            VideoTokenizerModule if video else ImageTokenizerModule,
+            VideoDataModule if video else ImageDataModule,
             args=translate_shared_flags(argv, TOKENIZER_SHARED_FLAGS),
             trainer_defaults={"callbacks": [ExportTokenizer()], "default_root_dir": DEFAULT_ROOT},
             save_config_kwargs={"overwrite": True},

@@ -393,7 +393,9 @@ class ExportTokenizer(L.Callback):
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Save from rank zero only."""
-        if not trainer.is_global_zero or not isinstance(pl_module, ImageTokenizerModule):
+        # the image module, or any other that trains a `tokenizer` with a bundle (the video tokenizer's module)
+        tokenizer = getattr(pl_module, "tokenizer", None)
+        if not trainer.is_global_zero or not hasattr(tokenizer, "save_pretrained"):
             return
         target = Path(self.dirpath or Path(trainer.log_dir or ".") / "tokenizer")
         pl_module.tokenizer.save_pretrained(target)
@@ -402,7 +404,11 @@ class ExportTokenizer(L.Callback):
 
 
 def bundle_description(tokenizer: ImageAutoencoder) -> str:
-    """How the messages that announce a bundle name it (the continuous kind says so, with its latent scale)."""
+    """How the messages that announce a bundle name it (the continuous kind says so, with its latent scale; the
+    video kind with its grid)."""
+    if getattr(tokenizer, "kind", None) == "video":
+        t, h, w = tokenizer.video_grid
+        return f"video tokenizer bundle ({t}x{h}x{w} codes per {tokenizer.config.clip_frames}-frame clip)"
     if isinstance(tokenizer, ContinuousImageTokenizer):
         return (f"continuous image tokenizer bundle ({tokenizer.latent_channels} latent channels, "
                 f"latent_scale {float(tokenizer.latent_scale):.4g})")

@@ -157,20 +157,20 @@ class VideoTokenizerConfig:
 
 
 # Moving shapes at 32 px, 8-frame clips -> 2 x 8 x 8 = 128 codes per clip (64 per image); ~0.2M parameters, trains
-# on 2 CPU cores in minutes. Emu3's layout at small widths: 3 levels (4x spatial), 1 res-block per level and on each
-# temporal side, attention only in the middle blocks, 8-d codes (Emu3: 4) from a 512-entry codebook with k-means
-# initialisation and dead-code restarts (as demo-64).
+# on 2 CPU cores in minutes. Emu3's layout at small widths (8, 16, 32 channels; GroupNorm of 4 groups): 3 levels (4x
+# spatial), 1 res-block per level and on each temporal side, attention only in the middle blocks, 8-d codes (Emu3: 4)
+# from a 512-entry codebook with k-means initialisation and dead-code restarts (as demo-64).
 _VIDEO_DEMO_32: dict[str, Any] = dict(
     image_size=32,
     clip_frames=8,
     codebook_size=512,
     embed_dim=8,
     latent_channels=8,
-    base_channels=16,
-    channel_multiplier=(1, 2, 2),
+    base_channels=8,
+    channel_multiplier=(1, 2, 4),
     num_res_blocks=1,
     attn_resolutions=(),
-    norm_groups=8,
+    norm_groups=4,
     kmeans_init=True,
     dead_code_threshold=0.05,
 )

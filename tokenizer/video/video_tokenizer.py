@@ -168,8 +168,8 @@ class VideoTokenizer(nn.Module):
             self._check_clip_tensor(clips)
             self._check_pixels(clips, "clip")
             return clips
-        if isinstance(clips, np.ndarray):
-            clips = [clips]
+        if isinstance(clips, np.ndarray):  # one clip (T, H, W, 3), or a batch of equal ones (B, T, H, W, 3)
+            clips = list(clips) if clips.ndim == 5 else [clips]
         arrays = list(clips)
         tensors = []
         for i, clip in enumerate(arrays):
@@ -205,7 +205,8 @@ class VideoTokenizer(nn.Module):
     @torch.no_grad()
     def encode_clips(self, clips: Any, batch_size: int = 8) -> torch.LongTensor:
         """Codes (B, T/temporal_factor, h, w) for a float tensor (B, T, 3, H, W) in [-1, 1] or uint8 numpy clips
-        (T, H, W, 3) (one, or a list; resized and center-cropped to `config.image_size` as images are)."""
+        (T, H, W, 3) (one, a list, or a (B, T, H, W, 3) array; resized and center-cropped to `config.image_size` as
+        images are)."""
         pixels = self._clips_to_pixels(clips)
         dtype = self.quant_conv.conv.weight.dtype
         codes = []
