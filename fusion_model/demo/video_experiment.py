@@ -59,10 +59,10 @@ class VideoExperimentConfig:
     held_out_clips: int = 84  # new clips of the trained triples (2 per triple)
     novel_clips: int = 48  # clips of the held-out triples
     novel_triples: int = 6
-    tokenizer_steps: int = 600  # the video tokenizer's and the per-frame VQ's optimizer steps
-    tokenizer_batch: int = 16  # clips per step (the per-frame VQ: 8 x as many frames)
+    tokenizer_steps: int = 400  # the video tokenizer's and the per-frame VQ's optimizer steps
+    tokenizer_batch: int = 8  # clips per step (the per-frame VQ: 8 x as many frames)
     size: str = "demo"
-    steps: int = 800  # decoder optimizer steps of each arm
+    steps: int = 600  # decoder optimizer steps of each arm
     seq_len: int = 288  # two caption + clip documents (about 140 ids each) per row
     batch_size: int = 8
     lr: float = 2.0e-3
