@@ -70,7 +70,7 @@ class VideoExperimentConfig:
     top_k: int = 50
     cfg_scale: float = 3.0
     seed: int = 0
-    reuse: bool = False  # keep the tokenizers, shards and decoder runs already finished with the same settings
+    reuse: bool = False  # keep decoder runs already finished with the same settings (tokenizers and shards are remade)
 
 
 def smoke_config(out_dir: str = "runs/video-smoke") -> VideoExperimentConfig:
