@@ -44,6 +44,9 @@ def test_shapes_and_the_demo_preset():
     model = VideoTokenizer(config)
     assert model.kind == "video" and model.temporal_factor == 4
     assert model.grid_shape == (8, 8) and model.video_grid == (2, 8, 8)
+    assert model.latent_grid((64, 32)) == (16, 8) and model.clip_grid(12, 64) == (3, 16, 16)
+    with pytest.raises(ValueError, match="multiple of the temporal factor 4"):
+        model.clip_grid(6)
     assert sum(p.numel() for p in model.parameters()) < 500_000
     assert set(VIDEO_PRESETS) >= {"video-demo-32", "emu3"}
     emu3 = VideoTokenizerConfig.from_preset("emu3")  # transformers' defaults: 4 x 512 x 512 -> 64 x 64 codes

@@ -93,6 +93,25 @@ class VideoTokenizer(nn.Module):
         """(latent frames, rows, columns) of codes for a `config.clip_frames` clip at `config.image_size`."""
         return self.config.video_grid
 
+    def latent_grid(self, image_size: int | tuple[int, int] | None = None) -> tuple[int, int]:
+        """(rows, columns) of codes per latent frame for a square side or (height, width); default
+        `config.image_size`."""
+        size = self.config.image_size if image_size is None else image_size
+        height, width = (size, size) if isinstance(size, int) else size
+        f = self.downsample_factor
+        if height <= 0 or width <= 0 or height % f or width % f:
+            raise ValueError(f"frame size {height}x{width} must be a positive multiple of the downsampling factor {f}")
+        return height // f, width // f
+
+    def clip_grid(self, frames: int | None = None,
+                  image_size: int | tuple[int, int] | None = None) -> tuple[int, int, int]:
+        """(latent frames, rows, columns) of codes for a clip of `frames` frames (default `config.clip_frames`)."""
+        frames = self.config.clip_frames if frames is None else frames
+        if frames <= 0 or frames % self.temporal_factor:
+            raise ValueError(f"a clip's frame count must be a positive multiple of the temporal factor "
+                             f"{self.temporal_factor}, got {frames}")
+        return (frames // self.temporal_factor, *self.latent_grid(image_size))
+
     @property
     def device(self) -> torch.device:
         """Device of the weights."""
