@@ -93,3 +93,19 @@ def test_fit_video_tokenizer_on_tensors_reports_held_out_psnr():
     assert summary["steps"] == 2 and not tokenizer.training
     assert {"psnr", "psnr_repeat_first", "usage", "perplexity"} <= set(summary)
     assert np.isfinite(summary["psnr"]) and 0 < summary["usage"] <= 1
+
+
+def test_video_configs_name_a_video_preset_and_match_its_data_fields():
+    import yaml
+
+    from tokenizer.video import VIDEO_PRESETS, VideoTokenizerConfig
+
+    paths = sorted(CONFIGS.glob("video-*.yaml"))
+    assert paths
+    for path in paths:
+        config = yaml.safe_load(path.read_text())
+        assert config["model"]["preset"] in VIDEO_PRESETS, path.name
+        tokenizer = VideoTokenizerConfig.from_preset(config["model"]["preset"],
+                                                     **(config["model"].get("overrides") or {}))
+        assert config["data"]["image_size"] == tokenizer.image_size, path.name
+        assert config["data"]["clip_frames"] == tokenizer.clip_frames, path.name
