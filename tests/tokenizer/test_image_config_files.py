@@ -1,4 +1,4 @@
-"""configs/tokenizer/*.yaml name an ImageTokenizerConfig preset and add only the fields they change."""
+"""configs/tokenizer/*.yaml name a tokenizer preset (image or video) and add only the fields they change."""
 
 from pathlib import Path
 
@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from tokenizer.image import PRESETS, ImageTokenizerConfig
+from tokenizer.video import VIDEO_PRESETS, VideoTokenizerConfig
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "tokenizer"
 
@@ -13,10 +14,12 @@ CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "tokenizer"
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
 def test_every_tokenizer_config_is_a_preset_plus_changed_fields_only(path):
     model = yaml.safe_load(path.read_text())["model"]
-    assert model["preset"] in PRESETS, f"{path.name} names no preset of tokenizer/image/config.py"
-    preset = ImageTokenizerConfig.from_preset(model["preset"])
+    known = {**dict.fromkeys(PRESETS, ImageTokenizerConfig), **dict.fromkeys(VIDEO_PRESETS, VideoTokenizerConfig)}
+    assert model["preset"] in known, f"{path.name} names no preset of tokenizer/image or tokenizer/video"
+    config_class = known[model["preset"]]
+    preset = config_class.from_preset(model["preset"])
     overrides = model.get("overrides") or {}
-    resolved = ImageTokenizerConfig.from_preset(model["preset"], **overrides)
+    resolved = config_class.from_preset(model["preset"], **overrides)
     restated = sorted(k for k in overrides if getattr(resolved, k) == getattr(preset, k))
     assert not restated, f"{path.name} restates the {model['preset']} preset's {restated}"
 
