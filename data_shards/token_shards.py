@@ -192,7 +192,7 @@ def write_token_shard(out_dir: str | Path, name: str, keys: list[str], documents
 def manifest_entry(meta: dict) -> dict:
     """What the manifest lists of one shard's meta."""
     return {k: v for k, v in meta.items()
-            if k in ("name", "source", "raw_sha256", "documents", "tokens", "images", "max_id", "files")}
+            if k in ("name", "source", "raw_sha256", "documents", "tokens", "images", "clips", "max_id", "files")}
 
 
 def write_manifest(token_dir: str | Path, header: dict, shard_metas: list[dict]) -> dict:
@@ -205,6 +205,8 @@ def write_manifest(token_dir: str | Path, header: dict, shard_metas: list[dict])
         "documents": sum(s["documents"] for s in shards),
         "tokens": sum(s["tokens"] for s in shards),
         "images": sum(s.get("images", 0) for s in shards),
+        # only shards with clips add the field: image-only manifests stay as they were
+        **({"clips": sum(s.get("clips", 0) for s in shards)} if any("clips" in s for s in shards) else {}),
         "shards": shards,
     }
     atomic_write_json(Path(token_dir) / MANIFEST, manifest)

@@ -1,4 +1,4 @@
-"""The README's pipeline, typed as written, on pictures and text made here: every command in its command-line
+"""The README's pipeline, typed as written, on pictures, clips and text made here: every command in its command-line
 block runs (small sizes via documented flags appended), in a fresh folder, output to files, exit code 0."""
 
 from __future__ import annotations
@@ -68,15 +68,53 @@ def make_user_data(root: Path) -> None:
     (root / "my_corpus.txt").write_text("\n".join(sentences * 10) + "\n")
 
 
+MOVES = {"left": (-3, 0), "right": (3, 0), "up": (0, -3), "down": (0, 3)}
+
+
+def make_user_clips(root: Path) -> None:
+    """A captioned folder of clips of a drawn shape moving, in every form a user may have: .mp4 files, folders of
+    PNG frames and .npy arrays (8 frames of 64x48, not square), and one .mp4 that is not a video at all."""
+    import numpy as np
+    from PIL import Image, ImageDraw
+
+    from tokenizer.video.clips import write_mp4
+
+    rng = random.Random(1)
+    folder = root / "my_clips"
+    folder.mkdir()
+    for index in range(12):
+        colour, shape, move = rng.choice(list(COLOURS)), rng.choice(["circle", "square"]), rng.choice(list(MOVES))
+        frames = []
+        for t in range(8):
+            image = Image.new("RGB", (64, 48), (245, 245, 240))
+            x, y = 25 + MOVES[move][0] * t, 17 + MOVES[move][1] * t
+            (ImageDraw.Draw(image).ellipse if shape == "circle" else ImageDraw.Draw(image).rectangle)(
+                [x, y, x + 14, y + 14], fill=COLOURS[colour])
+            frames.append(np.asarray(image))
+        name = f"clip{index:02d}"
+        if index % 3 == 0:
+            write_mp4(np.stack(frames), folder / f"{name}.mp4")
+        elif index % 3 == 1:
+            (folder / name).mkdir()
+            for t, frame in enumerate(frames):
+                Image.fromarray(frame).save(folder / name / f"{t:03d}.png")
+        else:
+            np.save(folder / f"{name}.npy", np.stack(frames))
+        (folder / f"{name}.txt").write_text(f"a {colour} {shape} moving {move}")
+    (folder / "broken.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42 this is not a video" * 20)
+    (folder / "broken.txt").write_text("a clip that does not decode")
+
+
 def test_the_readme_commands_run_as_written_on_new_data(tmp_path):
     commands = readme_commands()
     assert [step_of(c) for c in commands][:9] == ["tokenizer fit", "vocab", "shards write", "shards tokenize",
                                                    "shards verify", "fit", "fit", "generate", "convert import"]
     make_user_data(tmp_path)
+    make_user_clips(tmp_path)
     (tmp_path / "configs").symlink_to(REPO / "configs")
     (tmp_path / "train.py").symlink_to(REPO / "train.py")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    outputs, late_fusion, caption, mixture, transfusion, diffused = {}, "", "", "", "", ""
+    outputs, late_fusion, caption, mixture, transfusion, diffused, video = {}, "", "", "", "", "", {}
     for index, command in enumerate(commands):
         step = step_of(command)
         if step in SKIPPED:
@@ -84,6 +122,8 @@ def test_the_readme_commands_run_as_written_on_new_data(tmp_path):
         argv = [sys.executable, *shlex.split(command)[1:], *SMALL.get(step, [])]
         if step in ("tokenizer fit", "fit"):
             argv += ["--threads", "1"]
+        if step == "fit" and "runs/tokens-video" in command:
+            argv += ["--data.seq_len", "160"]  # a row holds a whole clip: <bov>, 2x8x8 codes, <eov>
         log = tmp_path / f"{index:02d}-{step.replace(' ', '-')}.log"
         with log.open("w") as out:  # output to a file, as on a cluster
             result = subprocess.run(argv, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=600)
@@ -100,6 +140,8 @@ def test_the_readme_commands_run_as_written_on_new_data(tmp_path):
             diffused = text
         if step == "generate" and "runs/late/" in command:
             caption = text
+        if "video" in command:
+            video[step] = text
 
     assert (tmp_path / "runs/tokenizer/tokenizer/config.json").is_file()
     assert "512 image codes" in outputs["vocab"]
@@ -124,6 +166,18 @@ def test_the_readme_commands_run_as_written_on_new_data(tmp_path):
     assert "done: step 3/3" in transfusion and (tmp_path / "runs/small-transfusion/checkpoints/last.ckpt").is_file()
     drawn = re.findall(r"<image: ([^>]+)>", diffused)
     assert drawn and all((tmp_path / path).is_file() for path in drawn), diffused[-2000:]
+    # video: the clips' tokenizer, a vocabulary with <bov>/<eov>, clip shards (the broken clip skipped and named),
+    # the same fit, and a clip sampled from a caption, written as GIF, MP4 and a frame strip
+    assert "video tokenizer bundle (2x8x8 codes per 8-frame clip)" in video["tokenizer fit"], video["tokenizer fit"]
+    assert "video markers: <bov>" in video["vocab"], video["vocab"]
+    assert "12 clips" in video["shards write"] and "skipped 1" in video["shards write"], video["shards write"]
+    manifest = json.loads((tmp_path / "runs/tokens-video/manifest.json").read_text())
+    assert manifest["video_grid"] == [2, 8, 8], manifest
+    assert "done: step 3/3" in video["fit"], video["fit"][-2000:]
+    clips = re.findall(r"<clip: ([^>]+)>", video["generate"])
+    files = [path.strip() for listed in clips for path in listed.split(",")]
+    assert files and all((tmp_path / path).is_file() for path in files), video["generate"][-2000:]
+    assert {Path(path).suffix for path in files} == {".gif", ".mp4", ".png"}, files
 
 
 @pytest.mark.parametrize("command", readme_commands())

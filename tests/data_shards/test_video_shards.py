@@ -258,7 +258,8 @@ def test_tokenize_writes_bov_codes_eov_and_records_video_grid(clip_folder, tmp_p
                            progress=False)
     assert manifest["video_grid"] == [2, 2, 3] and manifest["grid_shape"] == [2, 3]
     assert manifest["clip_frames"] == 8 and manifest["bov_id"] == BOV and manifest["eov_id"] == EOV
-    assert manifest["documents"] == 5 and manifest["images"] == 0
+    assert manifest["documents"] == 5 and manifest["images"] == 0 and manifest["clips"] == 5
+    assert manifest["shards"][0]["clips"] == 5
     shard = TokenShard(tmp_path / "tok", manifest["shards"][0]["name"], manifest["vocab_size"])
     meta = json.loads((tmp_path / "tok" / f"{shard.name}.meta.json").read_text())
     assert meta["clips"] == 5
