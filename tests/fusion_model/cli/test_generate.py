@@ -300,11 +300,8 @@ def test_clips_are_written_as_gif_mp4_and_a_frame_strip_and_listed(tmp_path):
 
 def test_mode_video_needs_a_video_tokenizer(files):
     from fusion_model.generation import video_grid_setting
-    from fusion_model.sampling import MODES
     from tokenizer.image import load_image_tokenizer
 
-    if "video" not in MODES:
-        pytest.skip("the sampler has no video mode yet")
     image_tokenizer = load_image_tokenizer(files / "vq")
     with pytest.raises(ValueError, match="mode 'video' needs a video tokenizer"):
         video_grid_setting(SamplingConfig(mode="video"), image_tokenizer)
@@ -332,12 +329,9 @@ def video_files(tmp_path_factory):
 
 
 def test_generate_mode_video_writes_gif_mp4_and_a_frame_strip_and_prints_them(video_files, tmp_path, capsys):
-    from fusion_model.sampling import MODES
     from tokenizer.image import load_image_tokenizer
     from tokenizer.vocab import UnifiedVocab
 
-    if "video" not in MODES:
-        pytest.skip("the sampler has no video mode yet")
     out = tmp_path / "clips"
     argv = ["--checkpoint", str(video_files / "model.ckpt"), "--vocab", str(video_files / "tokenizer.json"),
             "--image-tokenizer", str(video_files / "video"), "--prompt", "the cat", "--mode", "video",
@@ -366,3 +360,23 @@ def test_generate_mode_video_writes_gif_mp4_and_a_frame_strip_and_prints_them(vi
         assert (out / clip["strip"]).is_file() and ("mp4" not in clip or (out / clip["mp4"]).is_file())
         assert f"<clip: {out / clip['clip']}" in printed
     assert "2 generated clips" in printed
+
+
+def test_a_document_of_text_an_image_and_a_clip_decodes_into_each_kind(video_files):
+    from fusion_model.generation import Clip, decode_outputs
+    from tokenizer.image import load_image_tokenizer
+    from tokenizer.vocab import UnifiedVocab
+
+    vocab = UnifiedVocab.load(video_files / "tokenizer.json")
+    tokenizer = load_image_tokenizer(video_files / "video")
+    grid, video_grid = tuple(tokenizer.grid_shape), tuple(tokenizer.video_grid)
+    image, clip = torch.randint(0, 16, grid), torch.randint(0, 16, video_grid)
+    ids = vocab.encode_document(["the cat", image, "then", clip, "end"], bos=False)
+    (segments,) = decode_outputs([ids], vocab, tokenizer, grid, video_grid)
+    assert [type(s).__name__ for s in segments] == ["str", "Image", "str", "Clip", "str"]
+    assert isinstance(segments[3], Clip) and torch.equal(segments[3].codes, clip)
+    assert segments[3].frames.shape == (tokenizer.config.clip_frames, 16, 16, 3)
+    # the image is its own decode, the clip's frames decode_clips' frames
+    expected = tokenizer.decode(image[None])[0]
+    assert np.asarray(segments[1]).shape == (16, 16, 3)
+    assert np.abs(np.asarray(segments[1]).astype(int) - ((expected.permute(1, 2, 0) + 1) * 127.5).round().numpy()).max() <= 1
