@@ -125,8 +125,13 @@ def test_fit_image_tokenizer_from_a_tensor_returns_an_eval_tokenizer():
 def test_every_tokenizer_config_names_a_preset_whose_size_matches_its_data(path):
     config = yaml.safe_load(path.read_text())
     model = config["model"]
-    tokenizer_config = ImageTokenizerConfig.from_preset(model["preset"], **(model.get("overrides") or {}))
+    from tokenizer.video import VIDEO_PRESETS, VideoTokenizerConfig
+
+    config_class = VideoTokenizerConfig if model["preset"] in VIDEO_PRESETS else ImageTokenizerConfig
+    tokenizer_config = config_class.from_preset(model["preset"], **(model.get("overrides") or {}))
     assert tokenizer_config.image_size == config["data"]["image_size"]
+    if config_class is VideoTokenizerConfig:  # the clips it trains on are as long as the clips it encodes
+        assert tokenizer_config.clip_frames == config["data"]["clip_frames"]
 
 
 def test_raw_shards_give_every_image_of_every_document_and_skip_bad_ones(tmp_path):

@@ -52,6 +52,29 @@ def read_bundle_config(directory: str | os.PathLike) -> ImageTokenizerConfig:
     return ImageTokenizerConfig.from_dict(json.loads(config_path.read_text()))
 
 
+def bundle_fingerprint(tokenizer: nn.Module) -> str:
+    """SHA-256 (first 16 hex digits) over a tokenizer's `config.to_json()` and every weight and buffer: the identity
+    every bundle kind (VQ, continuous, video) records, so shards and checkpoints can say which tokenizer made them."""
+    digest = hashlib.sha256(tokenizer.config.to_json().encode())
+    for name, tensor in sorted(tokenizer.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(str(tensor.dtype).encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def save_bundle(tokenizer: nn.Module, directory: str | os.PathLike) -> Path:
+    """Write a tokenizer's config.json + model.safetensors (its fingerprint in the metadata) into `directory`,
+    each atomically: the bundle layout of every kind."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().cpu().contiguous() for k, v in tokenizer.state_dict().items()}
+    with atomic_path(directory / WEIGHTS_NAME) as tmp:
+        save_file(state, str(tmp), metadata={"format": "pt", "fingerprint": tokenizer.fingerprint()})
+    atomic_write_text(directory / CONFIG_NAME, tokenizer.config.to_json() + "\n")
+    return directory
+
+
 class ImageAutoencoder(nn.Module):
     """What the VQ and the continuous tokenizer share: pixel input, fingerprint, and the bundle on disk.
 
@@ -124,24 +147,13 @@ class ImageAutoencoder(nn.Module):
 
     def fingerprint(self) -> str:
         """SHA-256 (first 16 hex digits) over the config and every weight and buffer (codebook, latent scale)."""
-        digest = hashlib.sha256(self.config.to_json().encode())
-        for name, tensor in sorted(self.state_dict().items()):
-            digest.update(name.encode())
-            digest.update(str(tensor.dtype).encode())
-            digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        return digest.hexdigest()[:16]
+        return bundle_fingerprint(self)
 
     # ----- persistence -----
 
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
         """Write config.json + model.safetensors into `directory` (each atomically)."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
-        with atomic_path(directory / WEIGHTS_NAME) as tmp:
-            save_file(state, str(tmp), metadata={"format": "pt", "fingerprint": self.fingerprint()})
-        atomic_write_text(directory / CONFIG_NAME, self.config.to_json() + "\n")
-        return directory
+        return save_bundle(self, directory)
 
     @classmethod
     def from_pretrained(

@@ -30,6 +30,17 @@ from tokenizer.image.preprocess import to_pil
 from tokenizer.image.quantizer import set_codebook_sync, stats_from_counts
 
 
+def log_codebook_usage(module: L.LightningModule, counts: torch.Tensor | None) -> None:
+    """Log val/usage (fraction of codes used), val/perplexity and val/codes_used of per-code `counts` summed over
+    ranks; nothing when no code was counted (a continuous tokenizer, or no validation batch)."""
+    if counts is None or int(counts.sum()) == 0:
+        return
+    stats = stats_from_counts(module.trainer.strategy.reduce(counts.double(), reduce_op="sum").cpu())
+    module.log("val/usage", stats["usage"], prog_bar=True, rank_zero_only=True)
+    module.log("val/perplexity", stats["perplexity"], rank_zero_only=True)
+    module.log("val/codes_used", float(stats["codes_used"]), rank_zero_only=True)
+
+
 class ImageTokenizerModule(L.LightningModule):
     """Trains an `ImageTokenizer` (or, for a preset with bottleneck "kl", a `ContinuousImageTokenizer`) built from a
     preset (plus field overrides, e.g. {"quantizer": "chameleon"})."""
@@ -261,13 +272,7 @@ class ImageTokenizerModule(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         """Codebook usage (fraction of codes used on the validation set) and perplexity, summed over ranks."""
-        if self._val_counts is None or int(self._val_counts.sum()) == 0:
-            return
-        counts = self.trainer.strategy.reduce(self._val_counts.double(), reduce_op="sum")
-        stats = stats_from_counts(counts.cpu())
-        self.log("val/usage", stats["usage"], prog_bar=True, rank_zero_only=True)
-        self.log("val/perplexity", stats["perplexity"], rank_zero_only=True)
-        self.log("val/codes_used", float(stats["codes_used"]), rank_zero_only=True)
+        log_codebook_usage(self, self._val_counts)
 
     def _log_grid(self, originals: torch.Tensor, reconstructions: torch.Tensor) -> None:
         """Top row originals, bottom row reconstructions: to TensorBoard if present, and as a PNG in the log dir."""

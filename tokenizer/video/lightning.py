@@ -14,9 +14,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from tokenizer.files import atomic_path
+from tokenizer.image.lightning import log_codebook_usage
 from tokenizer.image.losses import psnr, reconstruction_loss
 from tokenizer.image.preprocess import to_pil
-from tokenizer.image.quantizer import codebook_stats, set_codebook_sync, stats_from_counts
+from tokenizer.image.quantizer import codebook_stats, set_codebook_sync
 from tokenizer.video.clips import ClipLoadError, list_clip_files, read_clip
 from tokenizer.video.config import VideoTokenizerConfig
 from tokenizer.video.video_tokenizer import VideoTokenizer, clip_to_tensor
@@ -123,13 +124,7 @@ class VideoTokenizerModule(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         """Codebook usage (fraction of codes used on the validation clips), perplexity, codes used."""
-        if self._val_counts is None or int(self._val_counts.sum()) == 0:
-            return
-        counts = self.trainer.strategy.reduce(self._val_counts.double(), reduce_op="sum")
-        stats = stats_from_counts(counts.cpu())
-        self.log("val/usage", stats["usage"], prog_bar=True, rank_zero_only=True)
-        self.log("val/perplexity", stats["perplexity"], rank_zero_only=True)
-        self.log("val/codes_used", float(stats["codes_used"]), rank_zero_only=True)
+        log_codebook_usage(self, self._val_counts)
 
     def _log_grid(self, originals: torch.Tensor, reconstructions: torch.Tensor) -> None:
         """Each clip as two rows of frames (original over reconstruction), clips stacked; a PNG in the log dir."""

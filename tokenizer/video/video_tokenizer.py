@@ -5,7 +5,6 @@ transformers' `Emu3VQVAE` weights import (every key but the codebook's is the sa
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 from collections.abc import Iterator, Sequence
@@ -15,17 +14,15 @@ from typing import Any, ClassVar, NamedTuple
 import numpy as np
 import torch
 from PIL import Image
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 
-from tokenizer.files import atomic_path, atomic_write_text
+from tokenizer.image.image_tokenizer import CONFIG_NAME, WEIGHTS_NAME, bundle_fingerprint, save_bundle
 from tokenizer.image.preprocess import ImageSource, load_batch, preprocess, to_pil
 from tokenizer.image.quantizer import Quantizer
 from tokenizer.video.config import VideoTokenizerConfig, is_video_config
 from tokenizer.video.model import CausalConv3d, Decoder, Encoder
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 TRANSFORMERS_CODEBOOK = "quantize.embedding.weight"  # Emu3VQVAE's codebook; ours is the project's EMA quantizer's
 
 
@@ -288,22 +285,11 @@ class VideoTokenizer(nn.Module):
 
     def fingerprint(self) -> str:
         """SHA-256 (first 16 hex digits) over the config and every weight and buffer (codebook, BatchNorm stats)."""
-        digest = hashlib.sha256(self.config.to_json().encode())
-        for name, tensor in sorted(self.state_dict().items()):
-            digest.update(name.encode())
-            digest.update(str(tensor.dtype).encode())
-            digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        return digest.hexdigest()[:16]
+        return bundle_fingerprint(self)
 
     def save_pretrained(self, directory: str | os.PathLike) -> Path:
         """Write config.json + model.safetensors into `directory` (each atomically)."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
-        with atomic_path(directory / WEIGHTS_NAME) as tmp:
-            save_file(state, str(tmp), metadata={"format": "pt", "fingerprint": self.fingerprint()})
-        atomic_write_text(directory / CONFIG_NAME, self.config.to_json() + "\n")
-        return directory
+        return save_bundle(self, directory)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike,
