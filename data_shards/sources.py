@@ -64,6 +64,17 @@ def _escapes_root(image: str) -> bool:
     return os.path.isabs(image) or Path(image).drive != "" or normal == ".." or normal.startswith(".." + os.sep)
 
 
+def _sidecar_caption(key: str, path: Path, caption_path: Path, require_caption: bool) -> str | None | Sample:
+    """The stripped text of an image's or clip's caption file; None when there is none and none is required; a
+    skipped Sample (saying why) when it is not UTF-8, or missing but required."""
+    if caption_path.is_file():
+        text = _decode_utf8(caption_path.read_bytes(), f"caption file {caption_path}")
+        return Sample(key, skip_reason=text.skip_reason) if isinstance(text, Sample) else text.strip()
+    if require_caption:
+        return Sample(key, skip_reason=f"{path}: no caption file {caption_path.name}")
+    return None
+
+
 def image_folder(root: str | Path, require_caption: bool = True) -> Iterator[Sample]:
     """Images under `root` (recursive) with sidecar captions `NAME.txt`: documents [caption, image]."""
     root = Path(root)
@@ -76,16 +87,9 @@ def image_folder(root: str | Path, require_caption: bool = True) -> Iterator[Sam
             if path.is_symlink():  # a link to itself (a loop) or to nothing: is_file() is False, so say why
                 yield Sample(key, skip_reason=f"{path}: symbolic link loop or broken link; fix or remove the link")
             continue  # a directory named like an image
-        caption_path = path.with_suffix(".txt")
-        caption = None
-        if caption_path.is_file():
-            text = _decode_utf8(caption_path.read_bytes(), f"caption file {caption_path}")
-            if isinstance(text, Sample):
-                yield Sample(key, skip_reason=text.skip_reason)
-                continue
-            caption = text.strip()
-        if caption is None and require_caption:
-            yield Sample(key, skip_reason=f"{path}: no caption file {caption_path.name}")
+        caption = _sidecar_caption(key, path, path.with_suffix(".txt"), require_caption)
+        if isinstance(caption, Sample):
+            yield caption
             continue
         image = _image_or_skip(key, path, str(path))
         if isinstance(image, Sample):
@@ -126,16 +130,10 @@ def video_folder(root: str | Path, require_caption: bool = True, min_frames: int
         if path.is_symlink() and not path.exists():
             yield Sample(key, skip_reason=f"{path}: symbolic link loop or broken link; fix or remove the link")
             continue
-        caption_path = path.parent / f"{path.name if path.is_dir() else path.stem}.txt"
-        caption = None
-        if caption_path.is_file():
-            text = _decode_utf8(caption_path.read_bytes(), f"caption file {caption_path}")
-            if isinstance(text, Sample):
-                yield Sample(key, skip_reason=text.skip_reason)
-                continue
-            caption = text.strip()
-        if caption is None and require_caption:
-            yield Sample(key, skip_reason=f"{path}: no caption file {caption_path.name}")
+        caption = _sidecar_caption(key, path, path.parent / f"{path.name if path.is_dir() else path.stem}.txt",
+                                   require_caption)
+        if isinstance(caption, Sample):
+            yield caption
             continue
         clip = _clip_or_skip(key, path, min_frames)
         if isinstance(clip, Sample):
