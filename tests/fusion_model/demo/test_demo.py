@@ -289,7 +289,8 @@ def test_answer_image_is_read_after_the_generated_text():
     from fusion_model.demo.evaluate import _image_codes, _text_before_image
     from tokenizer.vocab import UnifiedVocab
 
-    vocab = SimpleNamespace(pad_id=0, bos_id=1, boi_id=8, eoi_id=9, eos_id=2, image_offset=16, image_codes=4,
+    vocab = SimpleNamespace(pad_id=0, bos_id=1, boi_id=8, eoi_id=9, eos_id=2, bov_id=None, eov_id=None,  # no video
+                            image_offset=16, image_codes=4,
                             decode_text=lambda ids: " ".join(map(str, ids)), _as_list=UnifiedVocab._as_list)
     vocab.spans = lambda ids: UnifiedVocab.spans(vocab, ids)  # the vocabulary's one document parser
     rows = [[100, 101, 8, 16, 17, 18, 19, 9, 2],  # text, then a whole image
