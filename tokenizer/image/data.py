@@ -39,15 +39,27 @@ REPORT_NAMES = 5  # bad files named in a skip report; the rest are counted
 log = logging.getLogger(__name__)
 
 
-def skip_report(skipped: dict[str, str], where: str) -> str:
-    """One line for the log: how many bad images were skipped in `where`, the first few by name, what to do."""
+def skip_report(skipped: dict[str, str], where: str, what: str = "unreadable image(s) or shard(s)",
+                flag: str = "--data.skip_bad_images") -> str:
+    """One line for the log: how many bad `what` were skipped in `where`, the first few by name, what to do."""
     names = list(skipped)[:REPORT_NAMES]
     first = next(iter(skipped.values()), "")
     more = f" and {len(skipped) - len(names)} more" if len(skipped) > len(names) else ""
     return (
-        f"skipped {len(skipped)} unreadable image(s) or shard(s) in {where}: {', '.join(names)}{more} "
-        f"(first error: {first}); fix or remove them, or set --data.skip_bad_images false to stop at the first"
+        f"skipped {len(skipped)} {what} in {where}: {', '.join(names)}{more} "
+        f"(first error: {first}); fix or remove them, or set {flag} false to stop at the first"
     )
+
+
+def note_skip(skipped: dict[str, str], name: str, reason: str, where: str, **report: str) -> None:
+    """Record a bad file in `skipped` and log `skip_report` for the first few, then at each power of ten: a
+    map-style dataset has no end of epoch of its own, so a folder of broken files is never silent."""
+    if name in skipped:
+        return
+    skipped[name] = reason
+    count = len(skipped)
+    if count <= REPORT_NAMES or math.log10(count).is_integer():
+        log.warning(skip_report(skipped, where, **report))
 
 
 def load_photo(name: str) -> torch.Tensor:
@@ -130,15 +142,7 @@ class ImageFiles(Dataset):
         return random_crop(pixels, self.size, generator)
 
     def _note_skip(self, name: str, reason: str) -> None:
-        # a map-style dataset has no end of epoch of its own: name the first few bad files as they are met,
-        # then report the running count at each power of ten, so a folder of broken files is never silent
-        if name in self.skipped:
-            return
-        self.skipped[name] = reason
-        count = len(self.skipped)
-        if count <= REPORT_NAMES or math.log10(count).is_integer():
-            split = "training" if self.train else "validation"
-            log.warning(skip_report(self.skipped, f"the {split} image files"))
+        note_skip(self.skipped, name, reason, f"the {'training' if self.train else 'validation'} image files")
 
     def __getitem__(self, index: int) -> torch.Tensor:
         for attempt in range(len(self.files)):

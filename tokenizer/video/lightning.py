@@ -5,7 +5,6 @@ module (a folder of clips, read by `tokenizer.video.clips`), and `fit_video_toke
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from tokenizer.files import atomic_path
+from tokenizer.image.data import note_skip
 from tokenizer.image.lightning import log_codebook_usage
 from tokenizer.image.losses import psnr, reconstruction_loss
 from tokenizer.image.preprocess import to_pil
@@ -23,7 +23,6 @@ from tokenizer.video.config import VideoTokenizerConfig
 from tokenizer.video.video_tokenizer import VideoTokenizer, clip_to_tensor
 
 log = logging.getLogger(__name__)
-REPORT_NAMES = 5  # bad clips named in a skip report; the rest are counted
 
 
 def frame_psnr(reconstruction: torch.Tensor, clips: torch.Tensor) -> torch.Tensor:
@@ -192,15 +191,8 @@ class ClipFiles(Dataset):
                             f"{next(iter(self.skipped.values()), '?')}")
 
     def _note_skip(self, name: str, reason: str) -> None:
-        if name in self.skipped:
-            return
-        self.skipped[name] = reason
-        total = len(self.skipped)
-        if total <= REPORT_NAMES or math.log10(total).is_integer():
-            split = "training" if self.train else "validation"
-            log.warning(f"skipped {total} unusable clip(s) among the {split} clips: {', '.join(list(self.skipped)[:5])}"
-                        f" (first error: {next(iter(self.skipped.values()))}); fix or remove them, or set "
-                        "--data.skip_bad_clips false to stop at the first")
+        note_skip(self.skipped, name, reason, f"the {'training' if self.train else 'validation'} clips",
+                  what="unusable clip(s)", flag="--data.skip_bad_clips")
 
 
 class VideoDataModule(L.LightningDataModule):
