@@ -16,8 +16,8 @@ from tokenizer.image.bundle import AnyImageTokenizer
 from tokenizer.image.lightning import ImageTokenizerModule
 
 
-class _Pixels(TensorDataset):
-    """Yields the image tensor alone (the module's batch is a pixel tensor)."""
+class TensorRows(TensorDataset):
+    """Yields the rows of one tensor alone (a tokenizer module's batch is a pixel or clip tensor, not a tuple)."""
 
     def __getitem__(self, index: int) -> torch.Tensor:
         return self.tensors[0][index]
@@ -53,9 +53,9 @@ def fit_image_tokenizer(
             f"got {tuple(images.shape[-2:])}"
         )
     train = DataLoader(
-        _Pixels(images.float()), batch_size=min(batch_size, len(images)), shuffle=True, drop_last=True
+        TensorRows(images.float()), batch_size=min(batch_size, len(images)), shuffle=True, drop_last=True
     )
-    val = DataLoader(_Pixels(val_images.float()), batch_size=batch_size) if val_images is not None else None
+    val = DataLoader(TensorRows(val_images.float()), batch_size=batch_size) if val_images is not None else None
     loggers = False
     if log_dir is not None:
         from lightning.pytorch.loggers import CSVLogger

@@ -18,6 +18,7 @@ from tokenizer.image.lightning import log_codebook_usage
 from tokenizer.image.losses import psnr, reconstruction_loss
 from tokenizer.image.preprocess import to_pil
 from tokenizer.image.quantizer import codebook_stats, set_codebook_sync
+from tokenizer.image.train import TensorRows
 from tokenizer.video.clips import ClipLoadError, list_clip_files, read_clip
 from tokenizer.video.config import VideoTokenizerConfig
 from tokenizer.video.video_tokenizer import VideoTokenizer, clip_to_tensor
@@ -261,17 +262,6 @@ class VideoDataModule(L.LightningDataModule):
         return {**getattr(self.train_set, "skipped", {}), **getattr(self.val_set, "skipped", {})}
 
 
-class _Clips(Dataset):
-    def __init__(self, clips: torch.Tensor):
-        self.clips = clips
-
-    def __len__(self) -> int:
-        return len(self.clips)
-
-    def __getitem__(self, index: int) -> torch.Tensor:
-        return self.clips[index]
-
-
 def fit_video_tokenizer(clips: torch.Tensor, preset: str = "video-demo-32", batch_size: int = 16,
                         max_steps: int = 1000, max_minutes: float | None = None, seed: int = 0,
                         val_clips: torch.Tensor | None = None, overrides: dict[str, Any] | None = None,
@@ -286,7 +276,7 @@ def fit_video_tokenizer(clips: torch.Tensor, preset: str = "video-demo-32", batc
     config = module.tokenizer.config
     if tuple(clips.shape[-2:]) != (config.image_size, config.image_size):
         raise ValueError(f"preset {preset!r} expects {config.image_size}-px frames, got {tuple(clips.shape[-2:])}")
-    loader = DataLoader(_Clips(clips.float()), batch_size=min(batch_size, len(clips)), shuffle=True, drop_last=True)
+    loader = DataLoader(TensorRows(clips.float()), batch_size=min(batch_size, len(clips)), shuffle=True, drop_last=True)
     trainer = L.Trainer(max_steps=max_steps, max_time={"minutes": max_minutes} if max_minutes else None,
                         accelerator="cpu" if not torch.cuda.is_available() else "auto", devices=1, logger=False,
                         enable_checkpointing=False, enable_progress_bar=progress, enable_model_summary=False,
