@@ -30,17 +30,34 @@ def make_documents(count: int, seed: int = 0, min_len: int = 2, max_len: int = 2
     return docs
 
 
-def make_token_dir(path: Path, documents: list[list[int]], per_shard: int = 7, vocab_size: int = VOCAB_SIZE) -> Path:
-    """Write `documents` as token shards (keys doc-<i>) plus a manifest, returning the directory."""
+def make_token_dir(path: Path, documents: list[list[int]], per_shard: int = 7, vocab_size: int = VOCAB_SIZE,
+                   header: dict | None = None, key: str = "doc-{}", shard: str = "shard-{:06d}",
+                   vocab_fingerprint: str = "test-vocab") -> Path:
+    """Write `documents` as token shards (keys `key` of the document index, names `shard` of the shard index) plus
+    a manifest (pad id PAD_ID, and the fields of `header`), returning the directory."""
     path.mkdir(parents=True, exist_ok=True)
-    info = {"vocab_fingerprint": "test-vocab", "image_tokenizer_fingerprint": "none", "vocab_size": vocab_size}
+    info = {"vocab_fingerprint": vocab_fingerprint, "image_tokenizer_fingerprint": "none", "vocab_size": vocab_size}
     metas = []
     for n, start in enumerate(range(0, len(documents), per_shard)):
         chunk = documents[start : start + per_shard]
-        keys = [f"doc-{start + i}" for i in range(len(chunk))]
-        metas.append(write_token_shard(path, f"shard-{n:06d}", keys, chunk, {**info, "images": 0}))
-    write_manifest(path, {**info, "pad_id": PAD_ID}, metas)
+        keys = [key.format(start + i) for i in range(len(chunk))]
+        metas.append(write_token_shard(path, shard.format(n), keys, chunk, {**info, "images": 0}))
+    write_manifest(path, {**info, "pad_id": PAD_ID, **(header or {})}, metas)
     return path
+
+
+def resumed_rest(loader, cut: int) -> tuple:
+    """Stop a loader made by `loader()` at `cut` batches into an epoch, take its state_dict and restore a fresh
+    loader from it: (the restored loader, what it yields for the rest of the epoch). Every resume test's step."""
+    live = loader()
+    it = iter(live)
+    for _ in range(cut):
+        next(it)
+    state = live.state_dict()
+    del it
+    resumed = loader()
+    resumed.load_state_dict(state)
+    return resumed, list(resumed)
 
 
 def rows_to_documents(batch: dict) -> list[tuple[int, ...]]:
@@ -65,6 +82,7 @@ def tok() -> types.SimpleNamespace:
     """The builders above, as one fixture (test modules cannot import conftest under importlib mode)."""
     return types.SimpleNamespace(
         make_documents=make_documents, make_token_dir=make_token_dir, rows_to_documents=rows_to_documents,
+        resumed_rest=resumed_rest,
         VOCAB_SIZE=VOCAB_SIZE, PAD_ID=PAD_ID,
     )
 

@@ -121,15 +121,7 @@ def test_resume_yields_exactly_the_remaining_batches(tmp_path, tok, workers, ran
     n = len(full[0])
     assert n >= 5
     for cut in (1, n // 2, n - 1, n):
-        live = loader()
-        it = iter(live)
-        for _ in range(cut):
-            next(it)
-        state = live.state_dict()
-        del it
-        resumed = loader()
-        resumed.load_state_dict(state)
-        rest = list(resumed)
+        resumed, rest = tok.resumed_rest(loader, cut)
         expected = full[0][cut:] if cut < n else full[1]
         assert len(rest) == len(expected)
         for got, want in zip(rest, expected):

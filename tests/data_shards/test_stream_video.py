@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from data_shards.plan import plan_shard, read_index, shard_rows, video_markers, whole_images
 from data_shards.raw import ShardError
 from data_shards.stream import PackedTokenStream, make_dataloader
-from data_shards.token_shards import TokenShard, write_manifest, write_token_shard
+from data_shards.token_shards import TokenShard
 
 # The tiny id layout (as a unified vocabulary with video numbers its specials): pad 0, <s> 1, </s> 2, <boi> 3,
 # <eoi> 4, <bov> 7, <eov> 8; image codes 16..47; text 48..
@@ -39,22 +39,15 @@ def make_clip_documents(count: int, seed: int = 0, clip_codes: int = CLIP_IDS - 
     return docs
 
 
-def make_clip_token_dir(path: Path, documents: list[list[int]], per_shard: int = 9, declare: bool = True) -> Path:
+def make_clip_token_dir(tok, path: Path, documents: list[list[int]], per_shard: int = 9, declare: bool = True) -> Path:
     """Token shards of clip documents (keys clip-doc-<i>) and a manifest that declares video (bov_id, eov_id,
-    video_grid) unless `declare` is False."""
-    path.mkdir(parents=True, exist_ok=True)
-    info = {"vocab_fingerprint": "test-vocab-video", "image_tokenizer_fingerprint": "none", "vocab_size": VOCAB_SIZE}
-    metas = []
-    for n, start in enumerate(range(0, len(documents), per_shard)):
-        chunk = documents[start : start + per_shard]
-        keys = [f"clip-doc-{start + i}" for i in range(len(chunk))]
-        metas.append(write_token_shard(path, f"clips-{n:04d}", keys, chunk, {**info, "images": 0}))
-    header = {**info, "pad_id": 0, "bos_id": 1, "eos_id": 2, "boi_id": 3, "eoi_id": 4, "image_offset": CODES[0],
+    video_grid) unless `declare` is False; `tok` is the data_shards conftest's builders fixture."""
+    header = {"bos_id": 1, "eos_id": 2, "boi_id": 3, "eoi_id": 4, "image_offset": CODES[0],
               "image_codes": CODES[1] - CODES[0]}
     if declare:
         header.update(bov_id=BOV, eov_id=EOV, video_grid=list(VIDEO_GRID))
-    write_manifest(path, header, metas)
-    return path
+    return tok.make_token_dir(path, documents, per_shard, VOCAB_SIZE, header, key="clip-doc-{}", shard="clips-{:04d}",
+                              vocab_fingerprint="test-vocab-video")
 
 
 def clip_spans(ids: list[int]) -> list[tuple[int, int]]:
@@ -87,8 +80,8 @@ def assert_rows_keep_clips_whole(batch: dict) -> int:
     return seen
 
 
-def test_manifest_declares_video_with_its_markers(tmp_path):
-    token_dir = make_clip_token_dir(tmp_path / "t", make_clip_documents(5))
+def test_manifest_declares_video_with_its_markers(tmp_path, tok):
+    token_dir = make_clip_token_dir(tok, tmp_path / "t", make_clip_documents(5))
     header = read_index(token_dir).header
     assert video_markers(header) == (BOV, EOV) and header["video_grid"] == list(VIDEO_GRID)
     assert video_markers({"bov_id": None, "eov_id": None}) is None and video_markers({}) is None
@@ -126,30 +119,30 @@ def test_a_clip_left_open_ends_with_its_document():
 
 
 @pytest.mark.parametrize("seq_len", [CLIP_IDS, 17, 24, 40])
-def test_the_stream_never_cuts_a_clip(tmp_path, seq_len):
+def test_the_stream_never_cuts_a_clip(tmp_path, tok, seq_len):
     documents = make_clip_documents(30, seed=seq_len)
-    token_dir = make_clip_token_dir(tmp_path / "t", documents)
+    token_dir = make_clip_token_dir(tok, tmp_path / "t", documents)
     clips = sum(len(clip_spans(d)) for d in documents)
     assert clips > 10 and max(map(len, documents)) > seq_len, "documents longer than a row, with clips to cut"
     stream = PackedTokenStream(token_dir, seq_len, 3, seed=1)
     assert sum(assert_rows_keep_clips_whole(batch) for batch in stream) == clips
 
 
-def test_without_the_declaration_clips_are_cut_every_seq_len(tmp_path):
+def test_without_the_declaration_clips_are_cut_every_seq_len(tmp_path, tok):
     # the rule is the manifest's: the same ids in a manifest without bov_id / eov_id pack as before (cut every
     # seq_len), and some clip is then split
     documents = make_clip_documents(30, seed=3)
-    token_dir = make_clip_token_dir(tmp_path / "t", documents, declare=False)
+    token_dir = make_clip_token_dir(tok, tmp_path / "t", documents, declare=False)
     stream = PackedTokenStream(token_dir, CLIP_IDS, 3, seed=1)
     with pytest.raises(AssertionError, match="cut|inside a clip"):
         for batch in stream:
             assert_rows_keep_clips_whole(batch)
 
 
-def test_a_clip_longer_than_seq_len_is_refused_naming_shard_document_and_key(tmp_path):
+def test_a_clip_longer_than_seq_len_is_refused_naming_shard_document_and_key(tmp_path, tok):
     documents = make_clip_documents(12, seed=4)
     documents[10] = [TEXT, TEXT, BOV, *[20] * 30, EOV, TEXT]  # a 32-id clip in shard clips-0001
-    token_dir = make_clip_token_dir(tmp_path / "t", documents, per_shard=9)
+    token_dir = make_clip_token_dir(tok, tmp_path / "t", documents, per_shard=9)
     with pytest.raises(ShardError, match=r"video clip of 32 ids .* at id \d+ of document 1 \(key 'clip-doc-10'\) of "
                                          r"shard clips-0001 is longer than seq_len 20.*seq_len >= 32"):
         PackedTokenStream(token_dir, 20, 2)
@@ -162,8 +155,8 @@ def test_a_clip_longer_than_seq_len_is_refused_naming_shard_document_and_key(tmp
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_resume_is_bit_exact_with_clip_documents(tmp_path, workers):
-    token_dir = make_clip_token_dir(tmp_path / "t", make_clip_documents(60, seed=9))
+def test_resume_is_bit_exact_with_clip_documents(tmp_path, tok, workers):
+    token_dir = make_clip_token_dir(tok, tmp_path / "t", make_clip_documents(60, seed=9))
 
     def loader():
         return make_dataloader(PackedTokenStream(token_dir, 24, 2, seed=5), num_workers=workers)
@@ -173,15 +166,7 @@ def test_resume_is_bit_exact_with_clip_documents(tmp_path, workers):
     n = len(full[0])
     assert n >= 5
     for cut in (1, n // 2, n):
-        live = loader()
-        it = iter(live)
-        for _ in range(cut):
-            next(it)
-        state = live.state_dict()
-        del it
-        resumed = loader()
-        resumed.load_state_dict(state)
-        rest = list(resumed)
+        _, rest = tok.resumed_rest(loader, cut)
         expected = full[0][cut:] if cut < n else full[1]
         assert len(rest) == len(expected)
         for got, want in zip(rest, expected):
@@ -194,8 +179,8 @@ def _real_rows(batch: dict) -> list[tuple[int, ...]]:
     return [tuple(r) for r, d in zip(batch["input_ids"].tolist(), batch["document_ids"].tolist()) if max(d) >= 0]
 
 
-def test_resume_under_another_world_size_reads_every_row_once(tmp_path):
-    token_dir = make_clip_token_dir(tmp_path / "t", make_clip_documents(60, seed=11))
+def test_resume_under_another_world_size_reads_every_row_once(tmp_path, tok):
+    token_dir = make_clip_token_dir(tok, tmp_path / "t", make_clip_documents(60, seed=11))
     one = make_dataloader(PackedTokenStream(token_dir, 24, 2, seed=2, rank=0, world_size=1))
     every_row = [r for b in one for r in _real_rows(b)]
     live = make_dataloader(PackedTokenStream(token_dir, 24, 2, seed=2, rank=0, world_size=1))
