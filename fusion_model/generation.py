@@ -79,8 +79,7 @@ def split_segments(ids: list[int], vocab: Any, grid: tuple[int, int] | None,
     segments: list[str | torch.Tensor] = []
     for span in vocab.spans(ids):
         body = ids[span.body]
-        kind = getattr(span, "kind", "image")
-        if kind == "video":
+        if span.is_video:
             codes = torch.tensor(body, dtype=torch.long)
             codes = codes[image_code_mask(codes, vocab.image_offset, vocab.image_codes)]
             if span.closed and video_grid is not None and len(codes) == int(np.prod(video_grid)):

@@ -17,7 +17,7 @@ def _open_span(prompt: list[int], vocab: Any) -> tuple[int, bool]:
     last = spans[-1] if spans else None
     if last is None or last.kind == "text" or last.closed:
         return -1, False
-    return len(prompt[last.body]), last.kind == "video"
+    return len(prompt[last.body]), last.is_video
 
 
 class ModalityRules:

@@ -18,7 +18,7 @@ def image_only_prompt(prompt: list[int], vocab: Any) -> list[int]:
     spans = vocab.spans(prompt)
     out = [vocab.bos_id]
     for span in spans:
-        if span.kind != "text" and (span.closed or span is spans[-1]):
+        if span.is_visual and (span.closed or span is spans[-1]):
             out += prompt[span.start : span.end]
     return out
 
