@@ -55,8 +55,8 @@ def missing_run_message(run_dir: Path) -> str | None:
 
 def load_run(run_dir: Path):
     """(decoder, vocab, image tokenizer, classifier) of a finished demo run, through the demo's own loaders."""
+    from common.files import load_checkpoint_file
     from fusion_model.demo.classifier import DigitClassifier
-    from tokenizer.files import load_checkpoint_file
 
     message = missing_run_message(run_dir)
     if message is not None:
@@ -68,12 +68,12 @@ def load_run(run_dir: Path):
 
 def build_smoke_run(directory: Path) -> Path:
     """An untrained tiny decoder, vocabulary, image tokenizer (4x4 codes) and classifier in the demo run layout."""
+    from common.files import atomic_torch_save
     from fusion_model.checkpoint import save_model
     from fusion_model.config import FusionConfig
     from fusion_model.demo.classifier import DigitClassifier
     from fusion_model.demo.datasets import caption_texts
     from fusion_model.model import FusionModel
-    from tokenizer.files import atomic_torch_save
     from tokenizer.image import ImageTokenizer
     from tokenizer.image.config import ImageTokenizerConfig
     from tokenizer.vocab import train_unified_vocab

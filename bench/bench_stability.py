@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from bench.harness import resolve_results_dir, write_result
-from tokenizer.files import atomic_path, atomic_write_text
+from common.files import atomic_path, atomic_write_text
 from tokenizer.layout import image_code_mask
 
 NAME = "stability"

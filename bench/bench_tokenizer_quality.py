@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from bench.harness import resolve_results_dir, write_result
-from tokenizer.files import atomic_write_text
+from common.files import atomic_write_text
 
 NAME = "tokenizer_quality"
 REPO_ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, is_dataclass
 from pathlib import Path
 
-from tokenizer.files import atomic_write_text
+from common.files import atomic_write_text
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 # `python -m bench` and the smoke test point these at their own choices; benchmarks need not know.

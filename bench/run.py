@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from bench.harness import COMPARE_SECONDS_ENV, RESULTS_DIR, RESULTS_DIR_ENV, resolve_results_dir, write_result
-from tokenizer.files import atomic_write_text
+from common.files import atomic_write_text
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent

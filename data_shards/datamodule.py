@@ -7,10 +7,10 @@ from pathlib import Path
 
 import lightning as L
 
+from common.compat import check_compatible
 from data_shards.plan import read_index
 from data_shards.stream import DEFAULT_SHUFFLE_WINDOW, PackedTokenStream, make_dataloader
 from data_shards.token_shards import LATENT_KIND
-from tokenizer.compat import check_compatible
 
 
 def _manifest(directory: str, role: str) -> dict:

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
+from common.files import atomic_open, atomic_write_json
 from data_shards.raw import ShardError
 from data_shards.token_shards import MANIFEST, TokenShard, latent_placeholder, read_manifest
-from tokenizer.files import atomic_open, atomic_write_json
 
 INDEX_FORMAT = "early-fusion-dataset-index/1"
 PLAN_DIR = "plans"

@@ -20,6 +20,7 @@ import torch
 from PIL import Image
 from tqdm import tqdm
 
+from common.files import atomic_write_json
 from data_shards.raw import MANIFEST as RAW_MANIFEST
 from data_shards.raw import ShardError, iter_raw_shard, open_video, read_raw_manifest
 from data_shards.token_shards import (
@@ -32,7 +33,6 @@ from data_shards.token_shards import (
     write_manifest,
     write_token_shard,
 )
-from tokenizer.files import atomic_write_json
 from tokenizer.image.preprocess import ImageLoadError, open_image
 from tokenizer.layout import patchify
 from tokenizer.vocab import LatentImage

@@ -1,6 +1,6 @@
 """Raw shards: webdataset tars where one sample is one document (`KEY.json` segments + `KEY.0.png`, ...).
 
-Written atomically (tokenizer.files) and read without ever unpickling or using a member name as a path.
+Written atomically (common.files) and read without ever unpickling or using a member name as a path.
 
 Clips (segment `{"video": i}`) are stored in one of two ways, never as a pickle or `.npy` member:
 - a video file (.mp4, .webm, .mkv, .mov, .avi): its original bytes, as member `KEY.video<i>.<ext>`;
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from tokenizer.files import atomic_path, atomic_write_json
+from common.files import atomic_path, atomic_write_json
 from tokenizer.video.clips import VIDEO_SUFFIXES, read_clip, read_frame_images
 
 RAW_FORMAT = "early-fusion-raw/1"
@@ -97,7 +97,7 @@ class RawShardWriter:
         self.counts = {"documents": 0, "images": 0, "videos": 0, "text_segments": 0}
         self._keys: set[str] = set()
         self._tar: tarfile.TarFile | None = None
-        self._shard_files: ExitStack | None = None  # the open tar inside tokenizer.files.atomic_path
+        self._shard_files: ExitStack | None = None  # the open tar inside common.files.atomic_path
         self._current: dict | None = None
         self.manifest: dict | None = None
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from common.files import atomic_path, atomic_write_bytes, atomic_write_json
 from data_shards.raw import ShardError
-from tokenizer.files import atomic_path, atomic_write_bytes, atomic_write_json
 from tokenizer.layout import image_position_mask
 
 TOKEN_FORMAT = "early-fusion-tokens/1"

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
+from common.files import atomic_torch_save, load_checkpoint_file
 from fusion_model.blocks import block_class
 from fusion_model.config import FusionConfig
 from fusion_model.model import FusionModel
-from tokenizer.files import atomic_torch_save, load_checkpoint_file
 
 
 def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> FusionModel:

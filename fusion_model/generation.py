@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from common.compat import check_compatible
 from fusion_model.sampling import SamplingConfig, generate_ids
-from tokenizer.compat import check_compatible
 
 if TYPE_CHECKING:  # only for type hints; PIL is imported where images are opened
     from PIL import Image

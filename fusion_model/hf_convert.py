@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
+from common.files import atomic_path, atomic_write_text, load_checkpoint_file, replace_directory
 from fusion_model.blocks import block_class
 from fusion_model.config import FusionConfig
 from fusion_model.model import FusionModel
-from tokenizer.files import atomic_path, atomic_write_text, load_checkpoint_file, replace_directory
 from tokenizer.vocab import BOS, EOS, PAD, UnifiedVocab, image_code_of_name, image_token_name, text_mode_mask
 
 # A placeholder VQ encoder for exports without an image tokenizer: transformers always builds one, and
@@ -327,7 +327,7 @@ def _one_line(error: BaseException) -> str:
 
 
 def _check_pickled_weights(path: Path) -> None:
-    """Refuse a `*.bin` weights file that is not a plain tensor pickle, through tokenizer.files' safe loader (weights
+    """Refuse a `*.bin` weights file that is not a plain tensor pickle, through common.files' safe loader (weights
     only, tensors on the meta device: nothing is materialised), with one line naming the file."""
     for weights in sorted(path.glob("*.bin")):
         try:

@@ -14,7 +14,7 @@ from typing import Any
 
 from PIL import Image
 
-from tokenizer.files import atomic_write_bytes, atomic_write_json, atomic_write_text
+from common.files import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 
 def _png_bytes(image: Image.Image) -> bytes:

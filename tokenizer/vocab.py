@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from tokenizers import AddedToken, Tokenizer, models
 
+from common.files import atomic_path
 from tokenizer.bpe import (
     BYTE_ALPHABET,
     BpeResult,
@@ -26,7 +27,6 @@ from tokenizer.bpe import (
     prune_tokens,
     train_bpe,
 )
-from tokenizer.files import atomic_path
 from tokenizer.layout import image_code_mask
 from tokenizer.specials import (  # noqa: F401 - part of this module's interface
     BOI,

@@ -36,10 +36,10 @@ def import_folder(source: str, output: str) -> list[str]:
     """transformers Chameleon directory -> a folder with what `train.py fit` takes: model.ckpt, tokenizer.json
     (when the folder's tokenizer has our layout) and image_tokenizer/ (from the side folder of our export, or
     from a trained model.vqmodel); returns one line per file written or skipped."""
+    from common.compat import check_compatible
+    from common.files import replace_directory
     from fusion_model.checkpoint import save_model
     from fusion_model.hf_convert import IMAGE_TOKENIZER_FOLDER, from_transformers
-    from tokenizer.compat import check_compatible
-    from tokenizer.files import replace_directory
     from tokenizer.image import ImageTokenizer
     from tokenizer.vocab import UnifiedVocab
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tokenizer.threads import choose_threads
+from common.threads import choose_threads
 
 
 def take_option(argv: list[str], flag: str, default: str | None) -> tuple[str | None, list[str]]:

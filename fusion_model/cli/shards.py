@@ -177,9 +177,9 @@ def _write(args: argparse.Namespace) -> int:
 
 
 def _tokenize(args: argparse.Namespace) -> int:
+    from common.threads import choose_threads, free_cores, parse_threads, usable_cores
     from data_shards.pretokenize import PART_FORMAT, pretokenize
     from data_shards.raw import read_raw_manifest
-    from tokenizer.threads import choose_threads, free_cores, parse_threads, usable_cores
     from tokenizer.vocab import UnifiedVocab
 
     rank, world_size = _split(args, "tokenize")

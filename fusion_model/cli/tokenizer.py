@@ -58,7 +58,7 @@ def export(argv: list[str]) -> int:
     """Convert a Lightning checkpoint of `ImageTokenizerModule` into an `ImageTokenizer.from_pretrained` bundle."""
     args = export_parser().parse_args(argv)
 
-    from tokenizer.files import load_checkpoint_file
+    from common.files import load_checkpoint_file
     from tokenizer.image.lightning import ImageTokenizerModule, bundle_description
     from tokenizer.video.config import VIDEO_PRESETS
     from tokenizer.video.lightning import VideoTokenizerModule

@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.files import atomic_write_json, atomic_write_text
 from fusion_model.demo.datasets import caption, parse_digit, to_model_images
 from fusion_model.demo.settings import FIT_CONFIG, DemoConfig, load_config
 from fusion_model.demo.stages import digits_for, load_image_tokenizer, load_vocab, require_outputs
 from fusion_model.late_fusion import LateFusionConfig, LateFusionModel, late_layout
-from tokenizer.files import atomic_write_json, atomic_write_text
 from tokenizer.layout import image_code_mask
 from tokenizer.vocab import text_mode_mask
 
@@ -284,10 +284,10 @@ def late_option(kind: str, stage: int, config: ExperimentConfig, init_connector:
 
 def run(config: ExperimentConfig, log: Callable[[str], None] = print) -> dict:
     """Train the blind language model and the four models, evaluate each; returns (and writes) the results."""
+    from common.files import load_checkpoint_file
     from fusion_model.checkpoint import save_model
     from fusion_model.demo import evaluate
     from fusion_model.demo.classifier import DigitClassifier
-    from tokenizer.files import load_checkpoint_file
 
     demo = load_config(config.demo)
     demo_dir = Path(config.demo_dir or demo.out_dir).resolve()
@@ -493,7 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `python train.py experiment fusion`."""
-    from tokenizer.threads import free_cores
+    from common.threads import free_cores
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] != "fusion":

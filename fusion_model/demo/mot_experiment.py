@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.files import atomic_write_json, atomic_write_text
 from fusion_model.demo.datasets import (
     arithmetic_document,
     arithmetic_pairs,
@@ -43,7 +44,6 @@ from fusion_model.demo.stages import (
     require_outputs,
     run_experiment_command,
 )
-from tokenizer.files import atomic_write_json, atomic_write_text
 
 MODALITIES = ("text", "image")
 # Decoder sizes: FusionConfig fields over the `demo` preset (d 128, 4 layers, 4 heads, FFN 384). Every size keeps
@@ -334,9 +334,9 @@ def run(config: MoTExperimentConfig, log: Callable[[str], None] = print, demo: D
 
     `demo`: the settings the demo in `demo_dir` ran with (default: the preset's); its held-out digits must be the
     ones the demo held out, which the shards stage's key checks."""
+    from common.files import load_checkpoint_file
     from fusion_model.demo.bookkeeping import read_marker, stage_key
     from fusion_model.demo.classifier import DigitClassifier
-    from tokenizer.files import load_checkpoint_file
 
     if len(config.steps) != len(config.sizes):
         raise ValueError(f"--steps gives {len(config.steps)} step counts for {len(config.sizes)} sizes")

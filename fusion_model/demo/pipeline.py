@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from common.threads import free_cores
 from fusion_model.demo import stages as impl
 from fusion_model.demo.bookkeeping import (
     STAGES,
@@ -27,7 +28,6 @@ from fusion_model.demo.bookkeeping import (
     write_marker,
 )
 from fusion_model.demo.settings import DemoConfig, load_config
-from tokenizer.threads import free_cores
 
 
 def run(config: DemoConfig, stages: list[str] | None = None, force: tuple[str, ...] = (),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import lightning as L
 
-from tokenizer.files import atomic_write_json
+from common.files import atomic_write_json
 
 
 class LossRecorder(L.Callback):

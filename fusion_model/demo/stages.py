@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from common.files import atomic_torch_save, load_checkpoint_file
 from fusion_model.demo.bookkeeping import STAGES, read_marker
 from fusion_model.demo.datasets import (
     arithmetic_document,
@@ -29,7 +30,6 @@ from fusion_model.demo.datasets import (
 )
 from fusion_model.demo.report import to_uint8
 from fusion_model.demo.settings import FIT_CONFIG, DemoConfig, shown_path
-from tokenizer.files import atomic_torch_save, load_checkpoint_file
 
 
 def digits_for(config: DemoConfig):
@@ -84,7 +84,7 @@ def run_experiment_command(name: str, argv: list[str] | None, build_parser: Call
     """`python train.py experiment NAME ...` for an experiment module: parse its options, pick its threads, run."""
     import sys
 
-    from tokenizer.threads import free_cores
+    from common.threads import free_cores
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] != name:

@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.files import atomic_write_json, atomic_write_text
 from fusion_model.demo.datasets import caption_prompt, parse_digit, to_model_images
 from fusion_model.demo.fusion_experiment import fit
 from fusion_model.demo.metrics import frechet_distance, per_group_diversity
@@ -43,7 +44,6 @@ from fusion_model.demo.stages import (
     require_outputs,
     run_experiment_command,
 )
-from tokenizer.files import atomic_write_json, atomic_write_text
 
 # Decoder sizes over the `demo` preset (d 128, 4 layers, 4 heads, FFN 384): head width 32 and FFN ratio 3x kept.
 SIZES: dict[str, dict[str, int]] = {
@@ -427,10 +427,10 @@ def run(config: TransfusionExperimentConfig, log: Callable[[str], None] = print,
         demo: DemoConfig | None = None) -> dict:
     """Train both families at every size x budget (and the causal ablation), score each; returns (and writes) the
     results. `demo`: the settings the demo in `demo_dir` ran with (default: the preset's)."""
+    from common.files import load_checkpoint_file
     from fusion_model.demo.bookkeeping import read_marker, stage_key
     from fusion_model.demo.classifier import DigitClassifier
     from fusion_model.demo.mot_experiment import held_out_shards
-    from tokenizer.files import load_checkpoint_file
 
     unknown = [s for s in (*config.sizes, config.ablation_size) if s not in SIZES]
     if unknown or config.ablation_size not in config.sizes:

@@ -34,10 +34,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from common.files import atomic_write_json, atomic_write_text
 from fusion_model.demo import video_data
 from fusion_model.demo.settings import REPO_ROOT
 from fusion_model.demo.stages import run_experiment_command
-from tokenizer.files import atomic_write_json, atomic_write_text
 
 VIDEO_TOKENIZER_CONFIG = REPO_ROOT / "configs" / "tokenizer" / "video-demo-32.yaml"
 # Decoder sizes over the `demo` preset (d 128, 4 layers, 4 heads, FFN 384).

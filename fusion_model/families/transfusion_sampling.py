@@ -29,13 +29,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from common.compat import check_compatible
 from fusion_model.diffusion import guided_noise
 from fusion_model.sampling.config import SamplingConfig
 from fusion_model.sampling.denoising import denoising_steps
 from fusion_model.sampling.logits import new_noise_buffer, redraw_noise
 from fusion_model.sampling.modality import ModalityRules, SeenTextTokens
 from fusion_model.sampling.step import choose_next_tokens
-from tokenizer.compat import check_compatible
 from tokenizer.layout import patchify, unpatchify
 from tokenizer.vocab import LatentImage
 

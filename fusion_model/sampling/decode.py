@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from common.compat import check_compatible
 from fusion_model.sampling.config import SamplingConfig
 from fusion_model.sampling.feeder import CacheFeeder, round_up
 from fusion_model.sampling.logits import new_noise_buffer, redraw_noise
@@ -14,7 +15,6 @@ from fusion_model.sampling.protocol import DecodableModel, check_decodable
 from fusion_model.sampling.speculative import SpeculativeStep
 from fusion_model.sampling.step import PlainStep
 from fusion_model.sampling.streams import Streams, build_streams
-from tokenizer.compat import check_compatible
 
 # on an accelerator, the steps between two reads of `done` (the only host synchronisation of the loop)
 CHECK_DONE_EVERY = 32

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class DecodableConfig(Protocol):
-    """The fields of `model.config` the sampler reads (tokenizer.compat.check_compatible reads the image block's)."""
+    """The fields of `model.config` the sampler reads (common.compat.check_compatible reads the image block's)."""
 
     max_seq_len: int  # the context: prompts and their new tokens must fit in it
     vocab_size: int

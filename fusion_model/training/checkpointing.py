@@ -16,7 +16,7 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from tokenizer.files import atomic_torch_save, load_checkpoint_file, replace_directory
+from common.files import atomic_torch_save, load_checkpoint_file, replace_directory
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -16,7 +16,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from tokenizer.files import atomic_path, atomic_write_text
+from common.files import atomic_path, atomic_write_text
 from tokenizer.image.config import ImageTokenizerConfig
 from tokenizer.image.model import Decoder, Encoder
 from tokenizer.image.preprocess import ImageSource, load_batch, to_pil

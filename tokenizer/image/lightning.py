@@ -12,7 +12,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from tokenizer.files import atomic_path
+from common.files import atomic_path
 from tokenizer.image import data as image_data
 from tokenizer.image.bundle import build_image_tokenizer
 from tokenizer.image.config import ImageTokenizerConfig

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenizer.files import load_checkpoint_file
+from common.files import load_checkpoint_file
 
 
 def reconstruction_loss(reconstruction: torch.Tensor, target: torch.Tensor, kind: str = "l1") -> torch.Tensor:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from tokenizer.files import atomic_path
+from common.files import atomic_path
 
 # Video containers PyAV decodes here (their original bytes are what raw shards store).
 VIDEO_SUFFIXES = (".mp4", ".webm", ".mkv", ".mov", ".avi")

@@ -12,7 +12,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from tokenizer.files import atomic_path
+from common.files import atomic_path
 from tokenizer.image.data import note_skip
 from tokenizer.image.lightning import log_codebook_usage
 from tokenizer.image.losses import psnr, reconstruction_loss

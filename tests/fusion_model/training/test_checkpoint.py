@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
+from common.files import atomic_torch_save, load_checkpoint_file
 from fusion_model.training.checkpointing import AtomicCheckpointIO, rng_state, set_rng_state
-from tokenizer.files import atomic_torch_save, load_checkpoint_file
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -1,4 +1,4 @@
-"""tokenizer.files: atomic writes keep the old file on failure and leave no temporary files; checkpoint loading
+"""common.files: atomic writes keep the old file on failure and leave no temporary files; checkpoint loading
 refuses pickled objects, URLs and missing files."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from tokenizer import files
-from tokenizer.files import (
+from common import files
+from common.files import (
     atomic_open,
     atomic_path,
     atomic_torch_save,

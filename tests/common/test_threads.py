@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenizer import threads
+from common import threads
 
 
 def test_free_cores_counts_the_idle_share_of_the_machine(monkeypatch):
