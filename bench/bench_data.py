@@ -63,7 +63,7 @@ def run(smoke: bool = False) -> dict:
     """Measure and write bench/results/data.json."""
     from data_shards.stream import PackedTokenStream
     from fusion_model.config import FusionConfig
-    from fusion_model.loss import fusion_loss
+    from fusion_model.layers.loss import fusion_loss
     from fusion_model.model import FusionModel
 
     torch.set_num_threads(1)

@@ -20,8 +20,8 @@ import torch
 from bench.harness import write_result
 from bench.limits import copy_bandwidth, decode_seconds_bound, matmul_peak_flops, model_flops_utilization
 from fusion_model.config import FusionConfig
-from fusion_model.flops import sync
 from fusion_model.model import FusionModel
+from fusion_model.training.flops import sync
 
 # Dense bf16 tensor-core peaks from the vendors' data sheets (no sparsity); matched against the device name.
 SPEC_PEAK_BF16 = {"H200": 989.4e12, "H100 PCIe": 756.0e12, "H100": 989.4e12, "A100": 312.0e12, "L40S": 362.0e12}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 # the matmul peak is the training layer's too (its MFU denominator): one implementation, in fusion_model
-from fusion_model.flops import best_seconds, default_device, default_matmul_size, matmul_peak_flops
+from fusion_model.training.flops import best_seconds, default_device, default_matmul_size, matmul_peak_flops
 
 __all__ = [
     "copy_bandwidth",

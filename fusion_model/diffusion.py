@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from fusion_model.families.base import keyed_normal
+from fusion_model.layers.keyed_random import keyed_normal
 
 DEFAULT_STEPS = 1000
 

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion_model.model import FusionModel, KVCache
+from fusion_model.layers.kv_cache import KVCache
+from fusion_model.model import FusionModel
 from tokenizer.image.image_tokenizer import ImageTokenizer
 from tokenizer.layout import image_code_mask
 

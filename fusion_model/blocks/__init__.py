@@ -1,7 +1,7 @@
 """Decoder blocks by name: `FusionConfig.block` picks the class each of the decoder's layers is built from.
 
 A block is an `nn.Module` class built as `cls(config, layer)` and called as `block(x, cos, sin, ctx)` (see
-`fusion_model.model.Block`, the dense Chameleon layer, for the contract and its class-level methods). Built-in
+`fusion_model.blocks.dense.DenseBlock`, the dense Chameleon layer, for the contract and its class-level methods). Built-in
 names map to "module:Class" strings, imported on first use, so this registry imports no model code; any other
 name in the same "package.module:Class" form is imported as given (a block of your own, in its own file).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 
 BUILTIN_BLOCKS: dict[str, str] = {
-    "dense": "fusion_model.model:Block",  # Chameleon's layer: one set of weights for every token
+    "dense": "fusion_model.blocks.dense:DenseBlock",  # Chameleon's layer: one set of weights for every token
     "mot": "fusion_model.blocks.mot:MoTBlock",  # Mixture-of-Transformers: weights per modality, global attention
 }
 

@@ -20,9 +20,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fusion_model import roles
 from fusion_model.config import FusionConfig
-from fusion_model.model import MLP, Attention, AttentionContext, QKNorm, RMSNorm
+from fusion_model.layers import roles
+from fusion_model.layers.attention import Attention, AttentionContext
+from fusion_model.layers.mlp import MLP
+from fusion_model.layers.norms import QKNorm, RMSNorm
 
 # The group indices come from `nonzero` (data-dependent sizes): let the compiler keep them in its graph, so
 # a compiled block or decode step stays one graph (fullgraph=True) instead of breaking at each gather.
@@ -182,14 +184,19 @@ class MoTAttention(Attention):
 
     PARAMETER_ROLES: dict[str, str] = {}  # the projections declare their own roles, shared or per modality
 
-    def build_projections(self, config: FusionConfig) -> None:
+    def __init__(self, config: FusionConfig, layer: int) -> None:
+        # read by build_projections, which the base constructor calls (a plain value may be set before it)
+        self.options = MoTOptions.from_config(config)
+        super().__init__(config.dim, config.n_heads, config.kv_heads, config.qk_norm, layer)
+
+    def build_projections(self, dim: int, qk_norm: bool) -> None:
         """The projections and QK-norm: a copy per modality or shared, as the block's options say."""
-        options = MoTOptions.from_config(config)
+        options = self.options
         qkv_width, heads_width = (self.n_heads + 2 * self.kv_heads) * self.head_dim, self.n_heads * self.head_dim
-        self.qkv = per_modality(options.attention, lambda: AttentionInput(config.dim, qkv_width, bias=False))
-        self.out = per_modality(options.attention, lambda: AttentionOutput(heads_width, config.dim, bias=False))
-        self.q_norm = per_modality(options.norms, lambda: QKNorm(self.n_heads, self.head_dim)) if config.qk_norm else None
-        self.k_norm = per_modality(options.norms, lambda: QKNorm(self.kv_heads, self.head_dim)) if config.qk_norm else None
+        self.qkv = per_modality(options.attention, lambda: AttentionInput(dim, qkv_width, bias=False))
+        self.out = per_modality(options.attention, lambda: AttentionOutput(heads_width, dim, bias=False))
+        self.q_norm = per_modality(options.norms, lambda: QKNorm(self.n_heads, self.head_dim)) if qk_norm else None
+        self.k_norm = per_modality(options.norms, lambda: QKNorm(self.kv_heads, self.head_dim)) if qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: AttentionContext,
                 input_norm: nn.Module | None = None, output_norm: nn.Module | None = None) -> torch.Tensor:
@@ -230,7 +237,7 @@ class MoTBlock(nn.Module):
         self.attn_norm = per_modality(options.norms, lambda: RMSNorm(config.dim, config.norm_eps))
         self.attn = MoTAttention(config, layer)
         self.mlp_norm = per_modality(options.norms, lambda: RMSNorm(config.dim, config.norm_eps))
-        self.mlp = per_modality(options.ffn, lambda: MLP(config))
+        self.mlp = per_modality(options.ffn, lambda: MLP(config.dim, config.hidden_dim))
         self.dropout = nn.Dropout(config.dropout)
 
     @classmethod

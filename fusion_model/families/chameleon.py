@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from fusion_model.families.base import Family, LossSettings, LossTerm, Objective, ObjectiveContext
-from fusion_model.loss import target_counts
+from fusion_model.layers.loss import target_counts
 from fusion_model.model import FusionModel
 
 

@@ -15,7 +15,7 @@ from fusion_model.config import FusionConfig
 from fusion_model.families.base import Family, LossSettings, Objective, ObjectiveContext
 from fusion_model.families.chameleon import next_token_objective
 from fusion_model.late_fusion import LateFusionConfig, LateFusionModel, late_layout, set_stage
-from fusion_model.loss import fusion_loss_from_hidden, target_counts
+from fusion_model.layers.loss import fusion_loss_from_hidden, target_counts
 from fusion_model.model import FusionModel
 from tokenizer.layout import image_code_mask
 

@@ -34,13 +34,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion_model import attention as attn_lib
 from fusion_model.config import FusionConfig
 from fusion_model.diffusion import CosineSchedule
 from fusion_model.families.base import Family, LossSettings, LossTerm, Objective, ObjectiveContext
 from fusion_model.families.chameleon import next_token_objective
 from fusion_model.families.transfusion_unet import UNetPatches
-from fusion_model.loss import target_counts
+from fusion_model.layers import attention_backends as attn_lib
+from fusion_model.layers.loss import target_counts
 from fusion_model.model import FusionModel
 from tokenizer.layout import patchify, unpatchify
 

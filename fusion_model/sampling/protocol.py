@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 if TYPE_CHECKING:
-    from fusion_model.model import KVCache
+    from fusion_model.layers.kv_cache import KVCache
 
 
 @runtime_checkable
@@ -28,7 +28,7 @@ class DecodableModel(Protocol):
 
     `forward_hidden` runs a prompt (appending it to `kv_cache` when given) and `head` turns hidden states into
     logits, on the last columns only; with the KV cache, later forwards go through `decode_hidden`, whose shapes
-    are fixed (so the step compiles), into a cache from `new_kv_cache` (a fusion_model.model.KVCache: the sampler's
+    are fixed (so the step compiles), into a cache from `new_kv_cache` (a fusion_model.layers.kv_cache.KVCache: the sampler's
     compiled step keeps its `keys`, `values`, `document_ids` and `positions` at fixed addresses).
 
     `supports_kv_cache` (a class attribute) says whether the cached path works: a model that can only recompute

@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.callbacks import Timer
 from lightning.pytorch.utilities import rank_zero_info
 
-from fusion_model.flops import matmul_peak_flops, sync
+from fusion_model.training.flops import matmul_peak_flops, sync
 
 
 class ThroughputMonitor(L.Callback):

@@ -19,10 +19,11 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from fusion_model import attention as attn_lib
-from fusion_model import roles
-from fusion_model.loss import next_token_targets, target_weights
-from fusion_model.model import FusionModel, rope_cos_sin
+from fusion_model.layers import attention_backends as attn_lib
+from fusion_model.layers import roles
+from fusion_model.layers.loss import next_token_targets, target_weights
+from fusion_model.layers.rope import rope_cos_sin
+from fusion_model.model import FusionModel
 
 PARAMETER_GROUPS = ("embeddings", "attention", "mlp", "norms", "output_head")
 PREFIX = "stability"
@@ -31,7 +32,7 @@ CHUNK_ELEMENTS = 1 << 24
 COUNT = "targets"  # per-modality target counts: combine means over ranks, never logged
 
 
-# the group of each role (`fusion_model.roles`): QK-norm's weights are norms, though they live inside attention
+# the group of each role (`fusion_model.layers.roles`): QK-norm's weights are norms, though they live inside attention
 GROUP_OF_ROLE = {roles.EMBEDDING: "embeddings", roles.ATTENTION: "attention", roles.ATTENTION_OUTPUT: "attention",
                  roles.MLP: "mlp", roles.MLP_OUTPUT: "mlp", roles.NORM: "norms", roles.OUTPUT_HEAD: "output_head"}
 

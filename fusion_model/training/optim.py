@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from fusion_model.roles import NORM, parameter_roles
+from fusion_model.layers.roles import NORM, parameter_roles
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import bench.limits as limits
-import fusion_model.flops as flops  # the one matmul peak and timer, which bench.limits re-exports
+import fusion_model.training.flops as flops  # the one matmul peak and timer, which bench.limits re-exports
 
 
 def test_matmul_peak_counts_two_flops_per_multiply_add(monkeypatch):

@@ -6,8 +6,8 @@ import warnings
 import pytest
 import torch
 
-from fusion_model import attention as A
 from fusion_model.config import FusionConfig
+from fusion_model.layers import attention_backends as A
 from fusion_model.model import FusionModel
 
 DOCS = torch.tensor([[-1, -1, 0, 0, 0, 1, 1, 1, 1, -1], [0, 0, 0, 0, 0, 0, 0, 0, 0, 0]])

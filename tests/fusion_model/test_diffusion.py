@@ -15,7 +15,7 @@ from fusion_model.diffusion import (
     guided_noise,
     keyed_noise,
 )
-from fusion_model.families.base import keyed_normal
+from fusion_model.layers.keyed_random import keyed_normal
 
 
 def closed_form_alpha_bar(t: int, steps: int, s: float = 0.008) -> float:

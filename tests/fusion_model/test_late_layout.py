@@ -8,7 +8,7 @@ import torch
 
 from fusion_model.config import FusionConfig
 from fusion_model.late_fusion import LateFusionConfig, LateFusionModel, late_layout
-from fusion_model.loss import fusion_loss_from_hidden
+from fusion_model.layers.loss import fusion_loss_from_hidden
 from fusion_model.model import FusionModel
 
 # A small vocabulary: special ids, text 6..15, then 16 image codes (a 2x2 grid: 4 codes per image).

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fusion_model.loss import fusion_loss, fusion_loss_from_hidden
+from fusion_model.layers.loss import fusion_loss, fusion_loss_from_hidden
 
 IMAGE = dict(image_offset=100, image_codes=50)
 

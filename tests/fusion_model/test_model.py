@@ -5,8 +5,8 @@ import dataclasses
 import pytest
 import torch
 
-from fusion_model.attention import positions_from_documents
 from fusion_model.config import PRESETS, FusionConfig, chameleon_ffn_dim
+from fusion_model.layers.attention_backends import positions_from_documents
 from fusion_model.model import FusionModel
 
 
@@ -136,7 +136,9 @@ def test_gradient_checkpointing_gives_the_same_gradients():
 def test_hand_written_rope_swiglu_and_rms_norm_backwards_pass_gradcheck():
     """RoPE, SwiGLU and RMSNorm have custom backwards (speed); gradcheck compares them with finite differences, on
     the strided views the model feeds them, and the forwards with the textbook formulas."""
-    from fusion_model.model import _RMSNorm, _SwiGLU, apply_rope, rope_cos_sin
+    from fusion_model.layers.mlp import _SwiGLU
+    from fusion_model.layers.norms import _RMSNorm
+    from fusion_model.layers.rope import apply_rope, rope_cos_sin
 
     torch.manual_seed(0)
     cos, sin = rope_cos_sin(torch.tensor([[0, 3, 1, 7, 2]]), 6, 10000.0, torch.float64)
@@ -263,7 +265,7 @@ def test_image_bidirectional_lets_an_image_see_its_own_later_codes_only():
 
 
 def test_rms_norm_computes_in_fp32_for_bf16_inputs():
-    from fusion_model.model import RMSNorm
+    from fusion_model.layers.norms import RMSNorm
 
     norm = RMSNorm(64, 1e-5)
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Parameter roles (fusion_model.roles): the modules declare them; the initialisation, the weight-decay split and the
+"""Parameter roles (fusion_model.layers.roles): the modules declare them; the initialisation, the weight-decay split and the
 stability monitor's groups read them, and each gives exactly what the name rules it replaced gave (written out
 here as the reference)."""
 
@@ -6,10 +6,11 @@ import pytest
 import torch
 from torch import nn
 
-from fusion_model import roles
 from fusion_model.config import FusionConfig
 from fusion_model.late_fusion import KINDS, STAGES, LateFusionModel, set_stage
-from fusion_model.model import FusionModel, QKNorm, RMSNorm
+from fusion_model.layers import roles
+from fusion_model.layers.norms import QKNorm, RMSNorm
+from fusion_model.model import FusionModel
 from fusion_model.qformer_pretraining import QFormerPretrainer
 from fusion_model.training.monitors import parameter_groups
 from fusion_model.training.optim import param_groups
@@ -23,7 +24,7 @@ CONFIGS = {
 }
 
 
-# ---- the name rules the roles replaced (as they were before fusion_model.roles) ----------------------------------
+# ---- the name rules the roles replaced (as they were before fusion_model.layers.roles) ----------------------------------
 def old_decays(name: str, param: nn.Parameter) -> bool:
     """optim.param_groups: matrices, except under a module whose name holds "norm"."""
     is_norm = any("norm" in part for part in name.split(".")[:-1])

@@ -7,20 +7,21 @@ import pytest
 import torch
 
 from fusion_model.blocks import BUILTIN_BLOCKS, block_class
+from fusion_model.blocks.dense import DenseBlock
 from fusion_model.config import FusionConfig
-from fusion_model.model import Block, FusionModel
+from fusion_model.model import FusionModel
 
 
 def test_builtin_names():
     assert set(BUILTIN_BLOCKS) == {"dense", "mot"}
-    assert block_class("dense") is Block
+    assert block_class("dense") is DenseBlock
     assert block_class("mot").__name__ == "MoTBlock"
 
 
 def test_a_block_of_ones_own_is_built_from_its_own_file(tmp_path, monkeypatch):
     """A new block lives in its own file: nothing in the package names it."""
     (tmp_path / "scaled_block.py").write_text(textwrap.dedent('''
-        from fusion_model.model import Block
+        from fusion_model.blocks.dense import DenseBlock as Block
 
         class ScaledBlock(Block):
             """The dense block with its residual update halved."""

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fusion_model.families import family_class, family_names, resolve_family
-from fusion_model.families.base import keyed_generator, keyed_normal, keyed_uniform
+from fusion_model.layers.keyed_random import keyed_generator, keyed_normal, keyed_uniform
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[2]

@@ -16,10 +16,9 @@ import pytest
 import torch
 
 from data_shards.stream import with_window_denominators
-from fusion_model import attention as attn_lib
 from fusion_model.config import FusionConfig
 from fusion_model.families import family_class
-from fusion_model.families.base import OPTIONAL_BATCH_KEYS, ObjectiveContext, keyed_normal, keyed_uniform
+from fusion_model.families.base import OPTIONAL_BATCH_KEYS, ObjectiveContext
 from fusion_model.families.transfusion import (
     TransfusionFamily,
     image_layout,
@@ -27,6 +26,8 @@ from fusion_model.families.transfusion import (
     unpatchify,
     visible_from,
 )
+from fusion_model.layers import attention_backends as attn_lib
+from fusion_model.layers.keyed_random import keyed_normal, keyed_uniform
 from fusion_model.model import FusionModel
 
 PAD, BOS, EOS, BOI, EOI, PH = 0, 1, 2, 3, 4, 6  # the unified vocabulary's specials (<image> = 6)

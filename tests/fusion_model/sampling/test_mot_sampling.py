@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusion_model.model import apply_rope, rope_cos_sin
+from fusion_model.layers.rope import apply_rope, rope_cos_sin
 from fusion_model.sampling import SamplingConfig, generate_ids
 from fusion_model.training.monitors import StabilityMonitor, max_attention_logit
 from tokenizer.vocab import train_unified_vocab

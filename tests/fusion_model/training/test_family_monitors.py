@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fusion_model import attention as attn_lib
 from fusion_model.config import FusionConfig
+from fusion_model.layers import attention_backends as attn_lib
 from fusion_model.training import callbacks, monitors
 from fusion_model.training.callbacks import ThroughputMonitor
 from fusion_model.training.lightning_module import FusionLightningModule

@@ -12,7 +12,8 @@ from lightning.pytorch.loggers import Logger
 
 from data_shards.stream import with_window_denominators
 from fusion_model.config import FusionConfig
-from fusion_model.model import FusionModel, apply_rope, rope_cos_sin
+from fusion_model.layers.rope import apply_rope, rope_cos_sin
+from fusion_model.model import FusionModel
 from fusion_model.training.lightning_module import FusionLightningModule
 from fusion_model.training.monitors import (
     PARAMETER_GROUPS,
