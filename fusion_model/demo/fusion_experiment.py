@@ -27,7 +27,7 @@ from common.files import atomic_write_json, atomic_write_text
 from fusion_model.demo.datasets import caption, parse_digit, to_model_images
 from fusion_model.demo.settings import FIT_CONFIG, DemoConfig, load_config
 from fusion_model.demo.stages import digits_for, load_image_tokenizer, load_vocab, require_outputs
-from fusion_model.late_fusion import LateFusionConfig, LateFusionModel, late_layout
+from fusion_model.families.late.model import LateFusionConfig, LateFusionModel, late_layout
 from tokenizer.layout import image_code_mask
 from tokenizer.vocab import text_mode_mask
 

@@ -176,7 +176,7 @@ def guided_ddim(family, parts, ids: torch.Tensor, x_start: torch.Tensor, cfg_sca
     """DDIM (eta 0) from x_start (B, T, C*k*k; noise at the placeholders of `ids`, zeros elsewhere) to clean
     latents, the noise predictions guided: unconditional + scale x (conditional - unconditional), the unconditional
     branch the one caption dropout trains (the image sees only its `<boi>` and itself)."""
-    from fusion_model.diffusion import ddim_sample, guided_noise
+    from fusion_model.families.transfusion.diffusion import ddim_sample, guided_noise
 
     n = len(ids)
 
@@ -232,7 +232,7 @@ def transfusion_understanding(loaded, vocab, tokenizer, images: torch.Tensor, la
                               max_new_tokens: int = 16, batch_size: int = 250) -> dict:
     """Greedy captions of `<s> <boi>` + the image's clean latents at step 0 + `<eoi>` (text ids only, as the
     demo's text mode allows); scored like `evaluate.understanding`."""
-    from fusion_model.families.transfusion import image_layout
+    from fusion_model.families.transfusion.layout import image_layout
     from tokenizer.layout import patchify
     from tokenizer.vocab import LatentImage, text_mode_mask
 

@@ -14,10 +14,10 @@ from fusion_model.families.base import Family
 DEFAULT_FAMILY = "chameleon"
 BUILTIN_FAMILIES: dict[str, str] = {
     "chameleon": "fusion_model.families.chameleon:ChameleonFamily",
-    "llava": "fusion_model.families.llava:LlavaFamily",
-    "qformer": "fusion_model.families.qformer:QFormerFamily",
-    "blip2-stage1": "fusion_model.families.blip2_stage1:Blip2Stage1Family",
-    "flamingo": "fusion_model.families.flamingo:FlamingoFamily",
+    "llava": "fusion_model.families.late:LlavaFamily",
+    "qformer": "fusion_model.families.late:QFormerFamily",
+    "blip2-stage1": "fusion_model.families.late:Blip2Stage1Family",
+    "flamingo": "fusion_model.families.late:FlamingoFamily",
     "transfusion": "fusion_model.families.transfusion:TransfusionFamily",
 }
 _REGISTERED: dict[str, type[Family]] = {}

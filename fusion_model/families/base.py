@@ -101,6 +101,21 @@ class Objective:
         return torch.where(count > 0, term.total.detach() / count.clamp_min(1e-12), 0.0)
 
 
+def next_token_objective(out: Mapping[str, torch.Tensor], losses: LossSettings,
+                         positions: torch.Tensor | int) -> Objective:
+    """The Objective of `fusion_loss`'s output: one term `loss` (mean x weighted count = its sum), and the
+    CE, z-loss and per-modality losses as metrics (logged as train/ce, train/text_loss, ...)."""
+    n_text, n_image = out["n_text_targets"], out["n_image_targets"]
+    weighted_count = losses.weighted_count(n_text, n_image)
+    weight = weighted_count.clamp_min(1)
+    return Objective(
+        terms={"loss": LossTerm(out["loss"] * weighted_count, weighted_count)},
+        metrics={"ce": (out["ce"].detach(), weight), "text_loss": (out["text_loss"], n_text),
+                 "image_loss": (out["image_loss"], n_image), "z_loss": (out["z_loss"].detach(), weight)},
+        positions=positions,
+    )
+
+
 @dataclass(frozen=True)
 class ObjectiveContext:
     """Where in training an objective runs: its randomness is keyed by (seed, step) and the sample, never drawn from

@@ -13,9 +13,8 @@ from torch import nn
 
 from fusion_model.checkpoint import load_model, part_weights, read_checkpoint
 from fusion_model.config import FusionConfig
-from fusion_model.families import family_class, resolve_family
+from fusion_model.families import DEFAULT_FAMILY, family_class, resolve_family
 from fusion_model.families.base import Family, LossSettings
-from fusion_model.families.chameleon import ChameleonFamily
 
 
 @dataclass
@@ -45,7 +44,8 @@ def load_family(path: str | os.PathLike, map_location: str | torch.device = "cpu
     path = Path(path)
     if path.is_dir():
         model = load_model(path, map_location=map_location).eval()
-        return LoadedFamily(ChameleonFamily(model.config), {"model": model})
+        # a transformers Chameleon directory holds the decoder alone: the default (chameleon) family's one part
+        return LoadedFamily(family_class(DEFAULT_FAMILY)(model.config), {"model": model})
     checkpoint = read_checkpoint(path, map_location)
     hparams = checkpoint["hyper_parameters"]
     config = FusionConfig.from_dict(hparams["config"])

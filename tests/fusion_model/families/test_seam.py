@@ -136,7 +136,7 @@ def test_every_recipe_setting_is_checked_up_front_non_finite_values_included(opt
 @pytest.mark.parametrize("option, value", [("num_queries", 0), ("depth", -1), ("heads", 2.5), ("text_len", True),
                                            ("connector_dim", 0), ("feature_dim", -8), ("image_token_id", -1)])
 def test_every_late_fusion_setting_is_checked_up_front(option, value):
-    from fusion_model.late_fusion import LateFusionConfig
+    from fusion_model.families.late.model import LateFusionConfig
 
     with pytest.raises(ValueError, match=rf"late_fusion\.{option}="):
         LateFusionConfig(kind="qformer", stage=2, **{option: value})

@@ -176,7 +176,7 @@ def fsdp2_steps(rank: int, world: int, port: int, config: dict, weights: str, ba
     from torch.distributed.device_mesh import init_device_mesh
 
     from fusion_model.config import FusionConfig
-    from fusion_model.families.chameleon import ChameleonFamily
+    from fusion_model.families.chameleon.family import ChameleonFamily
     from fusion_model.model import FusionModel
 
     torch.set_num_threads(1)

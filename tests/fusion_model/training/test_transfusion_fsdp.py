@@ -11,7 +11,7 @@ import torch
 
 from fusion_model.config import FusionConfig
 from fusion_model.families.base import ObjectiveContext
-from fusion_model.families.transfusion import TransfusionFamily
+from fusion_model.families.transfusion.family import TransfusionFamily
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "families"))

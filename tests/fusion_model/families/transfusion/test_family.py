@@ -19,16 +19,12 @@ from data_shards.stream import with_window_denominators
 from fusion_model.config import FusionConfig
 from fusion_model.families import family_class
 from fusion_model.families.base import OPTIONAL_BATCH_KEYS, ObjectiveContext
-from fusion_model.families.transfusion import (
-    TransfusionFamily,
-    image_layout,
-    patchify,
-    unpatchify,
-    visible_from,
-)
+from fusion_model.families.transfusion.family import TransfusionFamily
+from fusion_model.families.transfusion.layout import image_layout, visible_from
 from fusion_model.layers import attention_backends as attn_lib
 from fusion_model.layers.keyed_random import keyed_normal, keyed_uniform
 from fusion_model.model import FusionModel
+from tokenizer.layout import patchify, unpatchify
 
 PAD, BOS, EOS, BOI, EOI, PH = 0, 1, 2, 3, 4, 6  # the unified vocabulary's specials (<image> = 6)
 C, K = 4, 2

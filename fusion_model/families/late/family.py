@@ -1,5 +1,6 @@
-"""What the late-fusion families share: a connector over the frozen image tokenizer's features in front of the
-decoder, trained on the early-fusion shards re-laid out for it (fusion_model.late_fusion), and captioning."""
+"""The late-fusion families: a connector over the frozen image tokenizer's features in front of the decoder (LLaVA's
+projector, BLIP-2's Q-Former, Flamingo's gated cross-attention), trained on the early-fusion shards re-laid out for
+it (`model.late_layout`), and captioning through the sampler."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ from torch import nn
 
 from fusion_model.checkpoint import connector_weights
 from fusion_model.config import FusionConfig
-from fusion_model.families.base import Family, LossSettings, Objective, ObjectiveContext
-from fusion_model.families.chameleon import next_token_objective
-from fusion_model.late_fusion import LateFusionConfig, LateFusionModel, late_layout, set_stage
+from fusion_model.families.base import Family, LossSettings, Objective, ObjectiveContext, next_token_objective
+from fusion_model.families.late.model import LateFusionConfig, LateFusionModel, late_layout, set_stage
 from fusion_model.layers.loss import fusion_loss_from_hidden, target_counts
 from fusion_model.model import FusionModel
 from tokenizer.layout import image_code_mask
@@ -87,7 +87,7 @@ class LateFusionFamily(Family):
                          "with --trainer.strategy=ddp (or auto on one device)")
 
     def layout(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The batch as the connector reads it (fusion_model.late_fusion.late_layout)."""
+        """The batch as the connector reads it (fusion_model.families.late.model.late_layout)."""
         if "image_features" not in batch:
             raise ValueError(f"the {self.name} family needs batches with image_features: set data.image_features "
                              "true (or leave it null) and tokenize the shards with --features")
@@ -174,6 +174,37 @@ class LateFusionFamily(Family):
                              image_offset=vocab.image_offset, image_codes=vocab.image_codes, pad_id=vocab.pad_id)
         return layout["input_ids"][0].tolist(), layout["features"][: len(per_image)], \
             layout["feature_mask"][: len(per_image)]
+
+
+# ---- the three connectors, one family each ---------------------------------------------------------------------
+class LlavaFamily(LateFusionFamily):
+    """LLaVA-1.5: stage 1 trains the projector alone on captions, stage 2 the projector and the decoder."""
+
+    name = "llava"
+    kind = "llava"
+
+
+class QFormerFamily(LateFusionFamily):
+    """BLIP-2's generative stage: the Q-Former (from stage 1: `blip2-stage1`) and its projection learn, the decoder
+    stays frozen."""
+
+    name = "qformer"
+    kind = "qformer"
+
+    def check(self) -> None:
+        """Stage 1 trains without the decoder: it is its own family."""
+        super().check()
+        if self.options.stage == 1:
+            raise ValueError("the qformer family trains BLIP-2's stage 2; stage 1 is --model.family blip2-stage1 "
+                             "(or late_fusion {kind: qformer, stage: 1})")
+
+
+class FlamingoFamily(LateFusionFamily):
+    """Flamingo: one `<image>` marker per image in the text; the text after it attends to that image's resampled
+    latents before every decoder block, through gates that start closed."""
+
+    name = "flamingo"
+    kind = "flamingo"
 
 
 class BoundImages(nn.Module):

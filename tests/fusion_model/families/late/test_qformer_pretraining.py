@@ -5,8 +5,8 @@ import copy
 import pytest
 import torch
 
-from fusion_model.late_fusion import QFormer
-from fusion_model.qformer_pretraining import (
+from fusion_model.families.late.connectors import QFormer
+from fusion_model.families.late.qformer_pretraining import (
     QFormerPretrainer,
     bidirectional_mask,
     multimodal_causal_mask,
@@ -223,7 +223,7 @@ def test_train_stage1_is_deterministic_and_leaves_a_stage2_ready_qformer():
 
 
 def test_caption_pairs_take_one_image_documents_and_their_text_and_share_ids_between_equal_captions():
-    from fusion_model.qformer_pretraining import caption_pairs
+    from fusion_model.families.late.qformer_pretraining import caption_pairs
 
     bos, eos, boi, eoi = 1, 2, 3, 4
     row = [bos, 10, 11, boi, 20, 21, eoi, eos,  # caption -> image

@@ -25,241 +25,28 @@ the document's text before it (`FusionModel.forward_hidden(visible_from=...)`); 
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from torch import nn
 
 from fusion_model.config import FusionConfig
-from fusion_model.diffusion import CosineSchedule
-from fusion_model.families.base import Family, LossSettings, LossTerm, Objective, ObjectiveContext
-from fusion_model.families.chameleon import next_token_objective
-from fusion_model.families.transfusion_unet import UNetPatches
-from fusion_model.layers import attention_backends as attn_lib
+from fusion_model.families.base import (
+    Family,
+    LossSettings,
+    LossTerm,
+    Objective,
+    ObjectiveContext,
+    next_token_objective,
+)
+from fusion_model.families.transfusion.diffusion import CosineSchedule
+from fusion_model.families.transfusion.layout import DiffusionDraws, ImageLayout, image_layout, visible_from
+from fusion_model.families.transfusion.options import TransfusionOptions
+from fusion_model.families.transfusion.patches import TIMESTEP_FREQUENCIES, LatentPatches, TimestepEmbedding
+from fusion_model.families.transfusion.unet import UNetPatches
 from fusion_model.layers.loss import target_counts
 from fusion_model.model import FusionModel
-from tokenizer.layout import patchify, unpatchify
-
-TIMESTEP_FREQUENCIES = 256  # width of the sinusoidal step features (DiT's)
-
-
-@dataclass(frozen=True)
-class TransfusionOptions:
-    """`--model.family_options` of the transfusion family.
-
-    latent_channels, patch_size: C and k of the latent patches (a patch vector holds C*k*k values);
-    image_placeholder_id: the vocabulary's `<image>` id (fit takes these three from the shards / vocabulary);
-    diffusion_weight: lambda, the diffusion term's weight against the text term;
-    diffusion_steps: N of the cosine schedule; caption_dropout: the probability that an image is trained
-    unconditionally; image_bidirectional: full attention inside each image (false: causal, the ablation);
-    max_t_image_first: the largest step drawn for an image that opens its document and is followed by text
-    (paper, Table 8: captioning sees less noisy images), None for no limit;
-    patch_encoder: "linear" (a linear layer in and out, `LatentPatches`) or "unet" (U-Net down and up blocks with
-    skip connections, `fusion_model.families.transfusion_unet`; paper, Table 7); latent_grid: [h, w] of every
-    image's latents (the U-Net's grid; fit takes it from the shards when patch_encoder is "unet");
-    unet_channels, unet_blocks: the U-Net's width at the latent resolution (doubling per downsampling) and ResNet
-    blocks per resolution and path; x0_clip: sampling clamps each DDIM step's clean estimate to [-x0_clip, x0_clip]
-    (the continuous tokenizer scales latents to unit std; null: no clamp), see `CosineSchedule.ddim_step`.
-    """
-
-    latent_channels: int | None = None
-    patch_size: int = 2
-    image_placeholder_id: int | None = None
-    diffusion_weight: float = 5.0
-    diffusion_steps: int = 1000
-    caption_dropout: float = 0.1
-    image_bidirectional: bool = True
-    max_t_image_first: int | None = 500
-    patch_encoder: str = "linear"
-    latent_grid: tuple[int, int] | None = None
-    unet_channels: int = 64
-    unet_blocks: int = 2
-    x0_clip: float | None = 4.0
-
-    def __post_init__(self) -> None:
-        def fail(name: str, rule: str) -> None:
-            raise ValueError(f"model.family_options.{name}={getattr(self, name)!r} is invalid for the transfusion "
-                             f"family: {rule}")
-
-        def is_int(value: Any) -> bool:
-            return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-        def is_real(value: Any) -> bool:
-            return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-
-        if self.latent_channels is not None and (not is_int(self.latent_channels) or self.latent_channels <= 0):
-            fail("latent_channels", "it must be a positive integer")
-        for name in ("patch_size", "diffusion_steps"):
-            if not is_int(getattr(self, name)) or getattr(self, name) <= 0:
-                fail(name, "it must be a positive integer")
-        for name in ("image_placeholder_id", "max_t_image_first"):
-            value = getattr(self, name)
-            if value is not None and (not is_int(value) or value < 0):
-                fail(name, "it must be an integer >= 0 or null")
-        if not is_real(self.diffusion_weight) or self.diffusion_weight < 0:
-            fail("diffusion_weight", "it must be a finite number >= 0")
-        if not is_real(self.caption_dropout) or not 0 <= self.caption_dropout < 1:
-            fail("caption_dropout", "it must be a number with 0 <= caption_dropout < 1")
-        if not isinstance(self.image_bidirectional, bool):
-            fail("image_bidirectional", "it must be true or false")
-        if self.x0_clip is not None and (not is_real(self.x0_clip) or self.x0_clip <= 0):
-            fail("x0_clip", "it must be a finite number > 0 or null")
-        if self.patch_encoder not in ("linear", "unet"):
-            fail("patch_encoder", 'it must be "linear" or "unet"')
-        for name in ("unet_channels", "unet_blocks"):
-            if not is_int(getattr(self, name)) or getattr(self, name) <= 0:
-                fail(name, "it must be a positive integer")
-        if self.latent_grid is not None:
-            grid = self.latent_grid
-            if isinstance(grid, str) or not hasattr(grid, "__len__") or len(grid) != 2 or not all(
-                    is_int(side) and side > 0 for side in grid):
-                fail("latent_grid", "it must be [height, width], two positive integers")
-            object.__setattr__(self, "latent_grid", (int(grid[0]), int(grid[1])))
-            if is_int(self.patch_size) and (grid[0] % self.patch_size or grid[1] % self.patch_size):
-                fail("latent_grid", f"patch_size {self.patch_size} must divide its height and width")
-
-    @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> TransfusionOptions:
-        """From `--model.family_options`; an unknown key is an error naming the known ones."""
-        known = [f.name for f in fields(cls)]
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise ValueError(f"the transfusion family has no model.family_options {unknown}; its options: {known}")
-        return cls(**values)
-
-    @property
-    def latent_dim(self) -> int:
-        """Values per patch vector: C * k * k."""
-        return self.latent_channels * self.patch_size ** 2
-
-
-class TimestepEmbedding(nn.Module):
-    """The diffusion step as a vector: sinusoidal features (DiT's) through a two-layer MLP."""
-
-    def __init__(self, dim: int, frequencies: int = TIMESTEP_FREQUENCIES) -> None:
-        super().__init__()
-        self.frequencies = frequencies
-        self.mlp = nn.Sequential(nn.Linear(frequencies, dim), nn.SiLU(), nn.Linear(dim, dim))
-
-    def features(self, t: torch.Tensor) -> torch.Tensor:
-        """(N,) steps -> (N, frequencies): cos and sin of t at geometrically spaced frequencies 1 ... 1/10,000."""
-        half = self.frequencies // 2
-        scale = torch.exp(-math.log(10_000.0) * torch.arange(half, device=t.device, dtype=torch.float32) / half)
-        angles = t.float()[:, None] * scale
-        return torch.cat([torch.cos(angles), torch.sin(angles)], dim=-1)
-
-    def forward(self, t: torch.Tensor) -> torch.Tensor:
-        """(N,) steps -> (N, dim)."""
-        first = self.mlp[0]
-        return self.mlp(self.features(t).to(first.weight.dtype))
-
-
-class LatentPatches(nn.Module):
-    """What Transfusion adds around the decoder: a patch's noisy latent into the decoder's width (plus its step's
-    embedding) at the input, and the decoder's hidden state back to a predicted noise at the output."""
-
-    def __init__(self, latent_dim: int, dim: int, init_std: float) -> None:
-        super().__init__()
-        self.init_std = init_std
-        self.patch_in = nn.Linear(latent_dim, dim)
-        self.time = TimestepEmbedding(dim)
-        self.patch_out = nn.Linear(dim, latent_dim)
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """Normal(0, init_std) matrices (the decoder's init), zero biases."""
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=self.init_std)
-                nn.init.zeros_(module.bias)
-
-    def embed(self, noisy: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """(P, C*k*k) noisy patches at steps (P,) -> (P, dim) decoder inputs."""
-        return self.patch_in(noisy.to(self.patch_in.weight.dtype)) + self.time(t)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(P, dim) final hidden states at patch positions -> (P, C*k*k) predicted noise."""
-        return self.patch_out(hidden)
-
-    def matmul_parameters(self) -> int:
-        """Weights a patch runs through in matrix products (FLOPs counting)."""
-        return sum(p.numel() for p in self.parameters() if p.dim() >= 2)
-
-
-@dataclass
-class ImageLayout:
-    """Where a batch's continuous images are. Flat indices are row * T + column; images are numbered in that
-    order."""
-
-    is_patch: torch.Tensor  # (B, T) bool: placeholder positions inside a document
-    image_of: torch.Tensor  # (B, T) long: each patch position's image, -1 elsewhere
-    start: torch.Tensor  # (N,) flat index of each image's first patch
-    opener: torch.Tensor  # (N,) flat index of the position before it in its document (<boi>), or its start
-    patches: torch.Tensor  # (N,) patches per image
-    image_first: torch.Tensor  # (N,) whether it opens its document (only <s> before its <boi>) and text follows
-
-    @property
-    def count(self) -> int:
-        """Number of images."""
-        return int(self.start.numel())
-
-    def patch_image(self) -> torch.Tensor:
-        """(P,) the image of each patch position, in row-major order."""
-        return self.image_of[self.is_patch]
-
-
-def image_layout(input_ids: torch.Tensor, document_ids: torch.Tensor, placeholder_id: int) -> ImageLayout:
-    """The images of a packed batch: runs of `placeholder_id` inside one document each."""
-    batch, length = input_ids.shape
-    is_patch = (input_ids == placeholder_id) & (document_ids >= 0)
-    same_document = torch.zeros_like(is_patch)
-    same_document[:, 1:] = document_ids[:, 1:] == document_ids[:, :-1]
-    continues = torch.zeros_like(is_patch)
-    continues[:, 1:] = is_patch[:, :-1] & same_document[:, 1:]
-    starts = (is_patch & ~continues).reshape(-1)
-    start = starts.nonzero().squeeze(1)
-    number = starts.long().cumsum(0) - 1
-    image_of = torch.where(is_patch.reshape(-1), number, -1).view(batch, length)
-    patches = torch.bincount(image_of[is_patch], minlength=start.numel())
-    opener = torch.where(same_document.reshape(-1)[start], start - 1, start)
-    before = attn_lib.positions_from_documents(document_ids).reshape(-1)  # tokens before each in its document
-    after = attn_lib.positions_from_documents(document_ids.flip(1)).flip(1).reshape(-1)  # and after it
-    end = start + patches - 1
-    # <s> <boi> patches <eoi> and at least two more tokens (a caption and </s>, not just </s>)
-    image_first = (opener != start) & (before[opener] <= 1) & (after[end] >= 3)
-    return ImageLayout(is_patch=is_patch, image_of=image_of, start=start, opener=opener, patches=patches,
-                       image_first=image_first)
-
-
-@dataclass
-class DiffusionDraws:
-    """One batch's keyed diffusion inputs: per image its step and caption-dropout decision, per patch (row-major
-    order) its clean latent, its noise and the noisy latent the decoder reads."""
-
-    layout: ImageLayout
-    timesteps: torch.Tensor  # (N,) long
-    dropped: torch.Tensor  # (N,) bool: trained without its caption
-    clean: torch.Tensor  # (P, C*k*k)
-    noise: torch.Tensor  # (P, C*k*k)
-    noisy: torch.Tensor  # (P, C*k*k)
-
-
-def visible_from(layout: ImageLayout, unconditional: torch.Tensor, shape: torch.Size, offset: int = 0) -> torch.Tensor:
-    """(B, T) key index each query may attend from (`FusionModel.forward_hidden(visible_from=)`): an unconditional
-    image's `<boi>` and patches from its `<boi>` on (offset + column: cache indices under a KV cache), every
-    other position from 0 (its document limits it)."""
-    batch, length = shape
-    result = torch.zeros(batch * length, dtype=torch.long, device=layout.is_patch.device)
-    column = layout.opener % length + offset
-    patch_positions = layout.is_patch.reshape(-1).nonzero().squeeze(1)
-    image = layout.patch_image()
-    result[patch_positions] = torch.where(unconditional[image], column[image], 0)
-    result[layout.opener] = torch.where(unconditional, column, result[layout.opener])
-    return result.view(batch, length)
 
 
 class TransfusionFamily(Family):
@@ -503,11 +290,7 @@ class TransfusionFamily(Family):
 
     def generate(self, parts: Mapping[str, nn.Module], vocab: Any, image_tokenizer: Any, prompts: list[list[Any]],
                  config: Any) -> tuple[list[list[Any]], list[list[int]]]:
-        """Text token by token, images by guided DDIM over `denoise` (fusion_model.families.transfusion_sampling)."""
-        from fusion_model.families.transfusion_sampling import generate
+        """Text token by token, images by guided DDIM over `denoise` (fusion_model.families.transfusion.sampling)."""
+        from fusion_model.families.transfusion.sampling import generate
 
         return generate(self, parts, vocab, image_tokenizer, prompts, config)
-
-
-__all__ = ["ImageLayout", "LatentPatches", "TimestepEmbedding", "TransfusionFamily", "TransfusionOptions",
-           "image_layout", "patchify", "unpatchify", "visible_from"]

@@ -4,17 +4,15 @@ import pytest
 import torch
 
 from fusion_model.config import FusionConfig
-from fusion_model.late_fusion import (
+from fusion_model.families.late.connectors import (
     GatedCrossAttention,
-    LateFusionModel,
     LlavaProjector,
     PerceiverResampler,
     QFormer,
-    frozen_image_features,
     media_index,
     media_mask,
-    set_stage,
 )
+from fusion_model.families.late.model import LateFusionModel, frozen_image_features, set_stage
 from fusion_model.model import FusionModel
 from tokenizer.image.config import ImageTokenizerConfig
 from tokenizer.image.image_tokenizer import ImageTokenizer

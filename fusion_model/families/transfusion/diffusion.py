@@ -1,6 +1,6 @@
 """Gaussian diffusion over continuous vectors: the cosine noise schedule, noising, DDIM steps and guidance.
 
-Nothing here knows a model family: the Transfusion family (fusion_model.families.transfusion) trains with
+Nothing here knows a model family: the Transfusion family (fusion_model.families.transfusion.family) trains with
 `CosineSchedule.q_sample` and keyed noise; a sampler runs `ddim_sample` (or `ddim_step` itself) over any
 sub-sequence of the training steps, mixing a conditional and an unconditional prediction with `guided_noise`.
 Time runs t = 0 (least noise) ... steps - 1 (almost pure noise); a step from t to t_prev = -1 returns the clean

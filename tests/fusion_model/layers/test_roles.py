@@ -7,11 +7,11 @@ import torch
 from torch import nn
 
 from fusion_model.config import FusionConfig
-from fusion_model.late_fusion import KINDS, STAGES, LateFusionModel, set_stage
+from fusion_model.families.late.model import KINDS, STAGES, LateFusionModel, set_stage
+from fusion_model.families.late.qformer_pretraining import QFormerPretrainer
 from fusion_model.layers import roles
 from fusion_model.layers.norms import QKNorm, RMSNorm
 from fusion_model.model import FusionModel
-from fusion_model.qformer_pretraining import QFormerPretrainer
 from fusion_model.training.monitors import parameter_groups
 from fusion_model.training.optim import param_groups
 

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from fusion_model.diffusion import (
+from fusion_model.families.transfusion.diffusion import (
     CosineSchedule,
     cosine_alpha_bars,
     ddim_sample,

@@ -10,8 +10,8 @@ from torch import nn
 
 from fusion_model.config import FusionConfig
 from fusion_model.families.base import LossSettings, LossTerm, Objective, ObjectiveContext
-from fusion_model.families.late import LateFusionFamily
-from fusion_model.qformer_pretraining import QFormerPretrainer, caption_pairs
+from fusion_model.families.late.family import LateFusionFamily
+from fusion_model.families.late.qformer_pretraining import QFormerPretrainer, caption_pairs
 
 
 class Blip2Stage1Family(LateFusionFamily):

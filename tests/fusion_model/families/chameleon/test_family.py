@@ -11,10 +11,10 @@ import torch
 
 from fusion_model.config import FusionConfig
 from fusion_model.families.base import LossSettings, ObjectiveContext
-from fusion_model.families.chameleon import ChameleonFamily
+from fusion_model.families.chameleon.family import ChameleonFamily
 from fusion_model.model import FusionModel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "training"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "training"))
 import fit_worker as fw  # noqa: E402
 
 IMAGE = dict(image_offset=128, image_codes=64)

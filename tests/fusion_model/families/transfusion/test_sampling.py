@@ -1,4 +1,4 @@
-"""Sampling a Transfusion checkpoint (fusion_model.families.transfusion_sampling): an oracle denoiser's image comes
+"""Sampling a Transfusion checkpoint (fusion_model.families.transfusion.sampling): an oracle denoiser's image comes
 back through generate, guidance scale 1 is the conditional branch alone and scale s mixes it with the image-alone
 branch, the KV-cached path gives the full recompute's ids and latents (several prompts opening images at different
 steps), the text prefix is computed once and the clean image written into the cache once, and `train.py generate`
@@ -13,9 +13,9 @@ import torch
 
 from fusion_model import cli
 from fusion_model.config import FusionConfig
-from fusion_model.diffusion import guided_noise
-from fusion_model.families import transfusion_sampling as ts
-from fusion_model.families.transfusion import TransfusionFamily
+from fusion_model.families.transfusion.diffusion import guided_noise
+from fusion_model.families.transfusion.family import TransfusionFamily
+from fusion_model.families.transfusion import sampling as ts
 from fusion_model.sampling import SamplingConfig
 from fusion_model.sampling.denoising import DiffusionSamplingConfig
 from tokenizer.image import ContinuousImageTokenizer, ImageTokenizer, ImageTokenizerConfig, to_pil

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from common.compat import check_compatible
-from fusion_model.diffusion import guided_noise
+from fusion_model.families.transfusion.diffusion import guided_noise
 from fusion_model.sampling.config import SamplingConfig
 from fusion_model.sampling.denoising import denoising_steps
 from fusion_model.sampling.logits import new_noise_buffer, redraw_noise

@@ -16,8 +16,9 @@ from torch.utils.flop_counter import FlopCounterMode
 from data_shards.stream import with_window_denominators
 from fusion_model.config import FusionConfig
 from fusion_model.families.base import ObjectiveContext
-from fusion_model.families.transfusion import LatentPatches, TransfusionFamily
-from fusion_model.families.transfusion_unet import UNetPatches, prime_factors
+from fusion_model.families.transfusion.family import TransfusionFamily
+from fusion_model.families.transfusion.patches import LatentPatches
+from fusion_model.families.transfusion.unet import UNetPatches, prime_factors
 from fusion_model.model import FusionModel
 
 PAD, BOS, EOS, BOI, EOI, PH = 0, 1, 2, 3, 4, 6  # the unified vocabulary's specials (<image> = 6)
@@ -134,7 +135,7 @@ def test_prime_factors_give_the_downsampling_steps():
 @pytest.mark.parametrize("patch_size, grid", [(1, (3, 2)), (2, (4, 6)), (4, (8, 4))])
 def test_shapes_and_each_image_is_its_own(patch_size, grid):
     torch.manual_seed(0)
-    from fusion_model.families.transfusion import TimestepEmbedding
+    from fusion_model.families.transfusion.patches import TimestepEmbedding
 
     unet = UNetPatches(C, patch_size, grid, 32, 0.02, time=TimestepEmbedding(32), time_dim=32, channels=8, blocks=2)
     per, dim = unet.patches_per_image, C * patch_size ** 2
@@ -261,7 +262,7 @@ def test_denoise_at_step_t_is_the_training_forward_at_that_step():
 
 
 def test_the_samplers_cached_path_gives_the_full_recompute_with_the_unet(tiny_tokenizers):
-    from fusion_model.families import transfusion_sampling as ts
+    from fusion_model.families.transfusion import sampling as ts
     from fusion_model.sampling.denoising import DiffusionSamplingConfig
     from tokenizer.vocab import UnifiedVocab
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fusion_model.config import FusionConfig
-from fusion_model.late_fusion import LateFusionConfig, LateFusionModel, late_layout
+from fusion_model.families.late.model import LateFusionConfig, LateFusionModel, late_layout
 from fusion_model.layers.loss import fusion_loss_from_hidden
 from fusion_model.model import FusionModel
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusion_model.families.base import Family, LossSettings, LossTerm, Objective, ObjectiveContext
+from fusion_model.families.base import Family, Objective, ObjectiveContext, next_token_objective
 from fusion_model.layers.loss import target_counts
 from fusion_model.model import FusionModel
 
@@ -46,18 +46,3 @@ class ChameleonFamily(Family):
         from fusion_model.generation import generate
 
         return generate(parts["model"], vocab, image_tokenizer, prompts, config, return_ids=True)
-
-
-def next_token_objective(out: Mapping[str, torch.Tensor], losses: LossSettings,
-                         positions: torch.Tensor | int) -> Objective:
-    """The Objective of `fusion_loss`'s output: one term `loss` (mean x weighted count = its sum), and the
-    CE, z-loss and per-modality losses as metrics (logged as train/ce, train/text_loss, ...)."""
-    n_text, n_image = out["n_text_targets"], out["n_image_targets"]
-    weighted_count = losses.weighted_count(n_text, n_image)
-    weight = weighted_count.clamp_min(1)
-    return Objective(
-        terms={"loss": LossTerm(out["loss"] * weighted_count, weighted_count)},
-        metrics={"ce": (out["ce"].detach(), weight), "text_loss": (out["text_loss"], n_text),
-                 "image_loss": (out["image_loss"], n_image), "z_loss": (out["z_loss"].detach(), weight)},
-        positions=positions,
-    )

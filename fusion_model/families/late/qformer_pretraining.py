@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fusion_model.late_fusion import IGNORE_INDEX, QFormer
+from fusion_model.families.late.connectors import QFormer
+from fusion_model.families.late.model import IGNORE_INDEX
 from tokenizer.layout import image_code_mask
 
 CLS, DEC = 0, 1  # rows of QFormerPretrainer.start_tokens: the text's first position for ITC/ITM, and for ITG
