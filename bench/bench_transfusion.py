@@ -17,8 +17,8 @@ from bench.harness import paired_result, time_rounds, write_result
 from fusion_model.config import FusionConfig
 from fusion_model.families.base import Family, ObjectiveContext
 from fusion_model.families.chameleon.family import ChameleonFamily
-from fusion_model.families.transfusion.family import TransfusionFamily
 from fusion_model.families.transfusion import sampling as transfusion_sampling
+from fusion_model.families.transfusion.family import TransfusionFamily
 from fusion_model.sampling import SamplingConfig, generate_ids
 from fusion_model.sampling.denoising import DiffusionSamplingConfig
 from tokenizer.vocab import UnifiedVocab, train_unified_vocab

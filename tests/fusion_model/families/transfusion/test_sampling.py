@@ -13,9 +13,9 @@ import torch
 
 from fusion_model import cli
 from fusion_model.config import FusionConfig
+from fusion_model.families.transfusion import sampling as ts
 from fusion_model.families.transfusion.diffusion import guided_noise
 from fusion_model.families.transfusion.family import TransfusionFamily
-from fusion_model.families.transfusion import sampling as ts
 from fusion_model.sampling import SamplingConfig
 from fusion_model.sampling.denoising import DiffusionSamplingConfig
 from tokenizer.image import ContinuousImageTokenizer, ImageTokenizer, ImageTokenizerConfig, to_pil
