@@ -2,7 +2,7 @@
 
 import sys
 
-from fusion_model.demo.commands import main
+from experiments.commands import main
 
 if __name__ == "__main__":
     sys.exit(main())

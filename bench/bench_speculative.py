@@ -20,12 +20,12 @@ import numpy as np
 import torch
 
 from bench.harness import paired_result, time_rounds, write_result
-from fusion_model.demo.bookkeeping import read_marker
-from fusion_model.demo.datasets import caption_prompt, to_model_images
-from fusion_model.demo.evaluate import _image_codes, image_sampling
-from fusion_model.demo.metrics import frechet_distance, per_group_diversity
-from fusion_model.demo.settings import GenerateSettings, load_config
-from fusion_model.demo.stages import digits_for, load_decoder, load_image_tokenizer, load_vocab
+from experiments.demo.bookkeeping import read_marker
+from experiments.demo.datasets import caption_prompt, to_model_images
+from experiments.demo.evaluate import _image_codes, image_sampling
+from experiments.demo.metrics import frechet_distance, per_group_diversity
+from experiments.demo.settings import GenerateSettings, load_config
+from experiments.demo.stages import digits_for, load_decoder, load_image_tokenizer, load_vocab
 from fusion_model.sampling import generate_ids, speculative
 
 NAME = "speculative"
@@ -56,7 +56,7 @@ def missing_run_message(run_dir: Path) -> str | None:
 def load_run(run_dir: Path):
     """(decoder, vocab, image tokenizer, classifier) of a finished demo run, through the demo's own loaders."""
     from common.files import load_checkpoint_file
-    from fusion_model.demo.classifier import DigitClassifier
+    from experiments.demo.classifier import DigitClassifier
 
     message = missing_run_message(run_dir)
     if message is not None:
@@ -71,8 +71,8 @@ def build_smoke_run(directory: Path) -> Path:
     from common.files import atomic_torch_save
     from fusion_model.checkpoint import save_model
     from fusion_model.config import FusionConfig
-    from fusion_model.demo.classifier import DigitClassifier
-    from fusion_model.demo.datasets import caption_texts
+    from experiments.demo.classifier import DigitClassifier
+    from experiments.demo.datasets import caption_texts
     from fusion_model.model import FusionModel
     from tokenizer.image import ImageTokenizer
     from tokenizer.image.config import ImageTokenizerConfig

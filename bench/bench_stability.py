@@ -85,7 +85,7 @@ class MixedData:
 def build_vocab(english: list[str]):
     """The demo's vocabulary recipe (its corpus, `train_unified_vocab`): byte-level BPE on KJV verses + the digit
     captions, merged with 512 image ids."""
-    from fusion_model.demo.datasets import vocab_corpus
+    from experiments.demo.datasets import vocab_corpus
     from tokenizer.vocab import train_unified_vocab
 
     return train_unified_vocab(vocab_corpus(english), vocab_size=VOCAB_SIZE, image_codes=IMAGE_CODES)
@@ -115,7 +115,7 @@ class ImageCodes:
 def documents(vocab, verses: list[str], images: ImageCodes, rng: np.random.Generator):
     """Endless documents as the demo's shards hold them: caption -> image and image -> caption (35% each; the
     captions name the digit) and English verses (30%), each `<s> ... </s>` with images in `<boi> ... <eoi>`."""
-    from fusion_model.demo.datasets import caption
+    from experiments.demo.datasets import caption
 
     for index in itertools.count():
         kind, digit = rng.random(), int(rng.integers(10))

@@ -195,8 +195,8 @@ class _Pixels(Dataset):
 
 def digits_task(smoke: bool) -> Task:
     """The demo's digits and its tokenizer settings (configs/demo/full.yaml); held out: the demo's test digits."""
-    from fusion_model.demo.datasets import load_digits, to_model_images
-    from fusion_model.demo.settings import load_config
+    from experiments.demo.datasets import load_digits, to_model_images
+    from experiments.demo.settings import load_config
 
     config = load_config("full")
     split = load_digits(held_out=config.data.held_out, limit=config.data.train_limit, seed=config.seed)

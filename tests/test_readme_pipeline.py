@@ -182,6 +182,6 @@ def test_the_readme_commands_run_as_written_on_new_data(tmp_path):
 
 @pytest.mark.parametrize("command", readme_commands())
 def test_every_readme_command_is_a_real_step(command):
-    from fusion_model.demo.commands import SUBCOMMANDS  # every command: the cli layer's and the demo's
+    from experiments.commands import SUBCOMMANDS  # every command: the cli layer's and the demo's
 
     assert shlex.split(command)[:2] == ["python", "train.py"] and shlex.split(command)[2] in SUBCOMMANDS

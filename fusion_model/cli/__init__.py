@@ -8,7 +8,7 @@ import sys
 
 # subcommand -> (module exposing `main(argv: list[str]) -> int | None`, one-line help): this layer's commands.
 # Modules are imported only when their subcommand runs, so `--help` stays instant. A higher layer adds its own
-# commands by passing a larger table to `main` (fusion_model.demo.commands adds `demo` and `experiment`), so that
+# commands by passing a larger table to `main` (experiments.commands adds `demo` and `experiment`), so that
 # no module here names one above it.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "vocab": ("fusion_model.cli.vocab", "train the BPE text vocabulary and merge it with the image codes"),

@@ -17,9 +17,9 @@ import torch
 
 from fusion_model.cli import DefaultsHelpFormatter
 from fusion_model.families.loading import load_family
-from fusion_model.sample_output import write_samples
 from fusion_model.sampling import MODES, SamplingConfig
 from fusion_model.sampling.denoising import DiffusionSamplingConfig
+from fusion_model.sampling.output import write_samples
 
 # The help line of each SamplingConfig field. The options themselves are generated from the dataclass's fields
 # (`add_sampling_options`), so a new field gets its option without a new argparse line (help: this table).

@@ -2,7 +2,7 @@
 
 # A KV-cached decode loop with Chameleon's modality rules, per-modality temperature / top-k / top-p, a text
 # repetition penalty, classifier-free guidance and speculative Jacobi decoding; text and images in, text and PIL
-# images out is fusion_model.generation. The modules, each importing only those above it:
+# images out is fusion_model.sampling.generate. The modules, each importing only those above it:
 #   config       SamplingConfig, MODES
 #   protocol     DecodableModel: what the sampler needs of a model, and check_decodable
 #   logits       guidance mixing, repetition penalty, top-k / top-p, the exponential noise, the token choice

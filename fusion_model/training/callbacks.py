@@ -64,7 +64,7 @@ class ThroughputMonitor(L.Callback):
 
 
 class SampleWriter(L.Callback):
-    """Every `every_n_steps` optimizer steps, samples a continuation of each prompt (fusion_model.generation) and
+    """Every `every_n_steps` optimizer steps, samples a continuation of each prompt (fusion_model.sampling.generate) and
     rank 0 writes them to `<log_dir>/samples/step<N>/` (samples.json, index.html, PNGs of generated images)."""
 
     def __init__(
@@ -103,9 +103,9 @@ class SampleWriter(L.Callback):
         if step == 0 or step % self.every_n_steps or step == self._last_written:
             return
         self._last_written = step
-        from fusion_model.generation import generate
-        from fusion_model.sample_output import write_samples
         from fusion_model.sampling import SamplingConfig
+        from fusion_model.sampling.generate import generate
+        from fusion_model.sampling.output import write_samples
 
         # a seeded generator inside `generate`: the training RNG streams (dropout) are left untouched
         config = SamplingConfig(mode=self.mode, max_new_tokens=self.max_new_tokens, seed=self.seed)

@@ -42,7 +42,7 @@ class ChameleonFamily(Family):
 
     def generate(self, parts: Mapping[str, nn.Module], vocab: Any, image_tokenizer: Any, prompts: list[list[Any]],
                  config: Any) -> tuple[list[list[Any]], list[list[int]]]:
-        """Mixed text-and-image sampling (fusion_model.generation.generate)."""
-        from fusion_model.generation import generate
+        """Mixed text-and-image sampling (fusion_model.sampling.generate.generate)."""
+        from fusion_model.sampling.generate import generate
 
         return generate(parts["model"], vocab, image_tokenizer, prompts, config, return_ids=True)

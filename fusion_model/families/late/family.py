@@ -127,8 +127,8 @@ class LateFusionFamily(Family):
                  config: Any) -> tuple[list[list[Any]], list[list[int]]]:
         """Text after each prompt, its images read through the frozen image tokenizer and the connector (text only:
         a late-fusion decoder writes no images, so interleaved is text; guidance has no unconditional stream here)."""
-        from fusion_model.generation import decode_outputs, load_prompt_image
         from fusion_model.sampling import generate_ids
+        from fusion_model.sampling.generate import decode_outputs, load_prompt_image
 
         if config.mode == "image":
             raise ValueError(f"a {self.name} checkpoint writes text only: use --mode text or interleaved, not image")

@@ -408,7 +408,7 @@ def encode_prompt(segments: list[Any], vocab: Any, image_tokenizer: Any, patch_s
                   latent_dim: int) -> Chunk:
     """`<s>` + the segments (text as BPE, images as `<boi>`, placeholders, `<eoi>`), without `</s>`; and the clean
     latent patch at each position (zeros off images)."""
-    from fusion_model.generation import load_prompt_image
+    from fusion_model.sampling.generate import load_prompt_image
 
     parts: list[Any] = []
     patches: list[torch.Tensor] = []

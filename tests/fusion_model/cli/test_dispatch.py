@@ -99,7 +99,7 @@ def test_a_run_that_fails_after_it_started_is_not_bad_input(monkeypatch):
 
 
 def test_the_dispatcher_runs_the_table_its_caller_gives(capsys):
-    """The cli layer names only its own commands; a higher layer passes a larger table (see fusion_model.demo.commands)."""
+    """The cli layer names only its own commands; a higher layer passes a larger table (see experiments.commands)."""
     assert all(module.startswith("fusion_model.cli.") for module, _ in cli.SUBCOMMANDS.values())
     table = {**cli.SUBCOMMANDS, "extra": ("fusion_model.cli.vocab", "vocab under another name")}
     assert cli.main(["--help"], commands=table) == 0

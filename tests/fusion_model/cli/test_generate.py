@@ -247,7 +247,7 @@ def test_a_continuous_image_tokenizer_is_refused_for_a_checkpoint_of_image_codes
     assert "continuous" in err or "another image tokenizer" in err, err  # the kind, or the shards' fingerprint
     assert len(err.strip().splitlines()) == 1, err
 
-    from fusion_model.generation import generate
+    from fusion_model.sampling.generate import generate
     from fusion_model.sampling import SamplingConfig
     from tokenizer.vocab import UnifiedVocab
 
@@ -271,8 +271,8 @@ def _moving_square(frames: int = 8, size: int = 16) -> np.ndarray:
 
 
 def test_clips_are_written_as_gif_mp4_and_a_frame_strip_and_listed(tmp_path):
-    from fusion_model.generation import Clip
-    from fusion_model.sample_output import _has_pyav, write_samples
+    from fusion_model.sampling.generate import Clip
+    from fusion_model.sampling.output import _has_pyav, write_samples
 
     frames = _moving_square()
     samples = [["a red square", Clip(frames, torch.zeros(2, 4, 4, dtype=torch.long))]]
@@ -299,7 +299,7 @@ def test_clips_are_written_as_gif_mp4_and_a_frame_strip_and_listed(tmp_path):
 
 
 def test_mode_video_needs_a_video_tokenizer(files):
-    from fusion_model.generation import video_grid_setting
+    from fusion_model.sampling.generate import video_grid_setting
     from tokenizer.image import load_image_tokenizer
 
     image_tokenizer = load_image_tokenizer(files / "vq")
@@ -351,7 +351,7 @@ def test_generate_mode_video_writes_gif_mp4_and_a_frame_strip_and_prints_them(vi
             assert gif.n_frames == tokenizer.config.clip_frames and gif.size == (16, 16)
         # the GIF holds the frames decode_clips makes of the sampled codes
         codes = torch.tensor(ids[1:-1]).view(t, h, w) - vocab.image_offset
-        from fusion_model.generation import clip_frames
+        from fusion_model.sampling.generate import clip_frames
 
         expected = clip_frames(tokenizer.decode_clips(codes[None])[0])
         with Image.open(out / clip["clip"]) as gif:
@@ -363,7 +363,7 @@ def test_generate_mode_video_writes_gif_mp4_and_a_frame_strip_and_prints_them(vi
 
 
 def test_a_document_of_text_an_image_and_a_clip_decodes_into_each_kind(video_files):
-    from fusion_model.generation import Clip, decode_outputs
+    from fusion_model.sampling.generate import Clip, decode_outputs
     from tokenizer.image import load_image_tokenizer
     from tokenizer.vocab import UnifiedVocab
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fusion_model.demo import transfusion_experiment as experiment
+from experiments import transfusion as experiment
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the fixtures are in conftest.py
 
@@ -101,7 +101,7 @@ def test_flop_parity_rule():
 
 
 def test_the_command_needs_a_finished_demo(tmp_path, capsys):
-    from fusion_model.demo.commands import main
+    from experiments.commands import main
 
     threads = torch.get_num_threads()  # the command sets the process's thread count: restored below
     assert main(["experiment", "transfusion", "--smoke", "--demo-dir", str(tmp_path), "--out",

@@ -32,11 +32,10 @@ import numpy as np
 import torch
 
 from common.files import atomic_write_json, atomic_write_text
-from fusion_model.demo.datasets import caption_prompt, parse_digit, to_model_images
-from fusion_model.demo.fusion_experiment import fit
-from fusion_model.demo.metrics import frechet_distance, per_group_diversity
-from fusion_model.demo.settings import DemoConfig, load_config
-from fusion_model.demo.stages import (
+from experiments.demo.datasets import caption_prompt, parse_digit, to_model_images
+from experiments.demo.metrics import frechet_distance, per_group_diversity
+from experiments.demo.settings import DemoConfig, load_config
+from experiments.demo.stages import (
     digits_for,
     experiment_parser,
     load_image_tokenizer,
@@ -44,6 +43,7 @@ from fusion_model.demo.stages import (
     require_outputs,
     run_experiment_command,
 )
+from experiments.fusion import fit
 
 # Decoder sizes over the `demo` preset (d 128, 4 layers, 4 heads, FFN 384): head width 32 and FFN ratio 3x kept.
 SIZES: dict[str, dict[str, int]] = {
@@ -110,7 +110,7 @@ def continuous_tokenizer(config: TransfusionExperimentConfig, demo: DemoConfig, 
                          log: Callable[[str], None]):
     """kl-demo-64 trained on the demo's training digits with the VQ tokenizer's budget (the steps it ran, its batch
     size and encoder overrides, the demo's seed); returns (bundle, its record)."""
-    from fusion_model.demo.bookkeeping import read_marker
+    from experiments.demo.bookkeeping import read_marker
     from tokenizer.image import ContinuousImageTokenizer
     from tokenizer.image.train import fit_image_tokenizer
 
@@ -330,7 +330,7 @@ def score_images(ctx: _Context, images: torch.Tensor, targets: np.ndarray, compl
 
 def evaluate_run(ctx: _Context, loaded, arm: str) -> dict:
     """Generation (images per caption from every digit's caption) and understanding, the same for both families."""
-    from fusion_model.demo import evaluate
+    from experiments.demo import evaluate
 
     settings = ctx.demo.generate
     per = ctx.config.images_per_caption or settings.images_per_caption
@@ -428,9 +428,9 @@ def run(config: TransfusionExperimentConfig, log: Callable[[str], None] = print,
     """Train both families at every size x budget (and the causal ablation), score each; returns (and writes) the
     results. `demo`: the settings the demo in `demo_dir` ran with (default: the preset's)."""
     from common.files import load_checkpoint_file
-    from fusion_model.demo.bookkeeping import read_marker, stage_key
-    from fusion_model.demo.classifier import DigitClassifier
-    from fusion_model.demo.mot_experiment import held_out_shards
+    from experiments.demo.bookkeeping import read_marker, stage_key
+    from experiments.demo.classifier import DigitClassifier
+    from experiments.mot import held_out_shards
 
     unknown = [s for s in (*config.sizes, config.ablation_size) if s not in SIZES]
     if unknown or config.ablation_size not in config.sizes:

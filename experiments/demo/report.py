@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from common.files import atomic_write_text
-from fusion_model.demo.settings import DemoConfig
+from experiments.demo.settings import DemoConfig
 
 _STYLE = """
 body { font-family: system-ui, sans-serif; max-width: 1100px; margin: 2em auto; color: #222; }

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from fusion_model.demo.classifier import DigitClassifier
-from fusion_model.demo.evaluate import _balanced_split
-from fusion_model.demo.metrics import frechet_distance, mean_pairwise_distance, per_group_diversity
+from experiments.demo.classifier import DigitClassifier
+from experiments.demo.evaluate import _balanced_split
+from experiments.demo.metrics import frechet_distance, mean_pairwise_distance, per_group_diversity
 
 
 def samples_with_moments(mean: np.ndarray, cov: np.ndarray, n: int, seed: int) -> np.ndarray:

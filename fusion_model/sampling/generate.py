@@ -14,7 +14,8 @@ import numpy as np
 import torch
 
 from common.compat import check_compatible
-from fusion_model.sampling import SamplingConfig, generate_ids
+from fusion_model.sampling.config import SamplingConfig
+from fusion_model.sampling.decode import generate_ids
 
 if TYPE_CHECKING:  # only for type hints; PIL is imported where images are opened
     from PIL import Image

@@ -1,16 +1,17 @@
-"""The whole command line: the cli layer's commands plus the demo's; `train.py` and `early-fusion` run `main`."""
+"""The checkout's whole command line: the library's pipeline commands (fusion_model.cli) plus `demo` and `experiment`;
+`train.py` runs `main` (the installed `early-fusion` script runs the pipeline commands alone)."""
 
 from __future__ import annotations
 
+from experiments.run import EXPERIMENTS
 from fusion_model import cli
-from fusion_model.demo.experiments import EXPERIMENTS
 
 # cli's table (vocab ... convert) followed by this layer's commands, in the order `--help` lists them.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     **cli.SUBCOMMANDS,
-    "demo": ("fusion_model.demo.pipeline", "run the end-to-end demo on built-in offline data, with a report"),
+    "demo": ("experiments.demo.pipeline", "run the end-to-end demo on built-in offline data, with a report"),
     # the experiments' own registry names them: a new experiment is one module and one line there
-    "experiment": ("fusion_model.demo.experiments",
+    "experiment": ("experiments.run",
                    "on the demo's data: " + ", ".join(f"{what} ({name})" for name, (_, what) in EXPERIMENTS.items())),
 }
 

@@ -1,6 +1,6 @@
 """`python train.py experiment video`: Emu3-style video tokens in an early-fusion decoder, offline (issue #32).
 
-Seeded synthetic clips (fusion_model.demo.video_data: 4 colours x 3 shapes moving left/right/up/down, 8 frames of
+Seeded synthetic clips (experiments.video_data: 4 colours x 3 shapes moving left/right/up/down, 8 frames of
 32x32, captions such as "a red square moving left"), with held-out clips of the trained caption triples and clips
 of triples no training clip shows. Per run:
 1. the video tokenizer (configs/tokenizer/video-demo-32.yaml: 8 frames -> 2 x 8 x 8 = 128 codes) is trained on
@@ -35,9 +35,9 @@ import numpy as np
 import torch
 
 from common.files import atomic_write_json, atomic_write_text
-from fusion_model.demo import video_data
-from fusion_model.demo.settings import REPO_ROOT
-from fusion_model.demo.stages import run_experiment_command
+from experiments import video_data
+from experiments.demo.settings import REPO_ROOT
+from experiments.demo.stages import run_experiment_command
 
 VIDEO_TOKENIZER_CONFIG = REPO_ROOT / "configs" / "tokenizer" / "video-demo-32.yaml"
 # Decoder sizes over the `demo` preset (d 128, 4 layers, 4 heads, FFN 384).
@@ -105,7 +105,7 @@ def shuffled_captions(captions: list[str], seed: int) -> list[str]:
 
 def run_cli(argv: list[str]) -> None:
     """One `train.py ...` command in this process (the whole command table); a non-zero exit raises."""
-    from fusion_model.demo.commands import main
+    from experiments.commands import main
 
     code = main(argv)
     if code:
@@ -258,8 +258,8 @@ def sample_clips(model, vocab, video_tokenizer, captions: list[str], config: Vid
                  batch: int = 32) -> tuple[np.ndarray, int]:
     """One clip per caption (`mode="video"`), prompts of one caption batched together; returns uint8 frames
     (N, T, H, W, 3) and how many came out incomplete (black clips, scored wrong by the checker)."""
-    from fusion_model.generation import Clip, generate
     from fusion_model.sampling import SamplingConfig
+    from fusion_model.sampling.generate import Clip, generate
 
     t_frames = int(video_tokenizer.config.clip_frames)
     side = int(video_tokenizer.config.image_size)
@@ -303,7 +303,7 @@ class _Context:
 
 def train_and_score(ctx: _Context, arm: str, train_dir: Path) -> dict:
     """Train one decoder (or reuse a finished one) and score it."""
-    from fusion_model.demo.fusion_experiment import fit
+    from experiments.fusion import fit
     from fusion_model.families.loading import load_family
 
     config = ctx.config

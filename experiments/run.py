@@ -7,10 +7,10 @@ import sys
 
 # name -> (module with `main(argv)`, what it compares); each main takes the argv that starts with its name
 EXPERIMENTS: dict[str, tuple[str, str]] = {
-    "fusion": ("fusion_model.demo.fusion_experiment", "early fusion vs LLaVA / BLIP-2 / Flamingo connectors"),
-    "mot": ("fusion_model.demo.mot_experiment", "dense vs Mixture-of-Transformers decoders at three sizes"),
-    "transfusion": ("fusion_model.demo.transfusion_experiment", "Chameleon (VQ codes) vs Transfusion (latents) FD/FLOPs"),
-    "video": ("fusion_model.demo.video_experiment", "Emu3-style video tokens: clips from captions, checked, offline"),
+    "fusion": ("experiments.fusion", "early fusion vs LLaVA / BLIP-2 / Flamingo connectors"),
+    "mot": ("experiments.mot", "dense vs Mixture-of-Transformers decoders at three sizes"),
+    "transfusion": ("experiments.transfusion", "Chameleon (VQ codes) vs Transfusion (latents) FD/FLOPs"),
+    "video": ("experiments.video", "Emu3-style video tokens: clips from captions, checked, offline"),
 }
 
 

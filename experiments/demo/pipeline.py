@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from common.threads import free_cores
-from fusion_model.demo import stages as impl
-from fusion_model.demo.bookkeeping import (
+from experiments.demo import stages as impl
+from experiments.demo.bookkeeping import (
     STAGES,
     UPSTREAM,
     is_fresh,
@@ -27,7 +27,7 @@ from fusion_model.demo.bookkeeping import (
     stage_key,
     write_marker,
 )
-from fusion_model.demo.settings import DemoConfig, load_config
+from experiments.demo.settings import DemoConfig, load_config
 
 
 def run(config: DemoConfig, stages: list[str] | None = None, force: tuple[str, ...] = (),

@@ -1,4 +1,4 @@
-"""Text and images in, text and PIL images out through the sampler (fusion_model.generation), and its written files."""
+"""Text and images in, text and PIL images out through the sampler (fusion_model.sampling.generate), and its written files."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 from PIL import Image
 
-from fusion_model.generation import generate
-from fusion_model.sample_output import write_samples
+from fusion_model.sampling.generate import generate
+from fusion_model.sampling.output import write_samples
 from fusion_model.sampling import SamplingConfig
 from tokenizer.image import ImageTokenizer, ImageTokenizerConfig
 from tokenizer.vocab import train_unified_vocab

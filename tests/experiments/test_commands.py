@@ -1,14 +1,15 @@
-"""The whole command line (`train.py`, `early-fusion`): the cli layer's commands, then the demo's, in one table."""
+"""The whole command line: `train.py` runs the cli layer's commands, then the demo's, in one table; the installed
+`early-fusion` script runs the pipeline commands alone (the experiments are not installed)."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+from experiments import commands
 from fusion_model import cli
-from fusion_model.demo import commands
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_table_is_the_cli_layers_followed_by_demo_and_experiment():
@@ -27,7 +28,9 @@ def test_help_lists_every_command_and_unknown_names_them_all(capsys):
     assert capsys.readouterr().err.rstrip().endswith("convert, demo, experiment")
 
 
-def test_train_py_and_the_console_script_run_the_whole_table():
-    script = re.search(r'^early-fusion = "(.+)"$', (REPO / "pyproject.toml").read_text(), re.MULTILINE)
-    assert script and script.group(1) == "fusion_model.demo.commands:main"
-    assert "from fusion_model.demo.commands import main" in (REPO / "train.py").read_text()
+def test_train_py_runs_the_whole_table_and_the_console_script_the_pipeline():
+    script = re.search(r'^early-fusion = "([^"]+)"', (REPO / "pyproject.toml").read_text(), re.MULTILINE)
+    assert script and script.group(1) == "fusion_model.cli:main"
+    assert "from experiments.commands import main" in (REPO / "train.py").read_text()
+    packages = re.search(r"^include = \[(.+)\]$", (REPO / "pyproject.toml").read_text(), re.MULTILINE).group(1)
+    assert "experiments" not in packages  # run from a checkout, never installed

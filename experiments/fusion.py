@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from common.files import atomic_write_json, atomic_write_text
-from fusion_model.demo.datasets import caption, parse_digit, to_model_images
-from fusion_model.demo.settings import FIT_CONFIG, DemoConfig, load_config
-from fusion_model.demo.stages import digits_for, load_image_tokenizer, load_vocab, require_outputs
+from experiments.demo.datasets import caption, parse_digit, to_model_images
+from experiments.demo.settings import FIT_CONFIG, DemoConfig, load_config
+from experiments.demo.stages import digits_for, load_image_tokenizer, load_vocab, require_outputs
 from fusion_model.families.late.model import LateFusionConfig, LateFusionModel, late_layout
 from tokenizer.layout import image_code_mask
 from tokenizer.vocab import text_mode_mask
@@ -159,7 +159,7 @@ def experiment_raw_shards(config: ExperimentConfig, demo: DemoConfig, demo_dir: 
     from PIL import Image
 
     from data_shards.raw import RawShardWriter, iter_raw_shard, read_raw_manifest
-    from fusion_model.demo.report import to_uint8
+    from experiments.demo.report import to_uint8
 
     folder, source = out_dir / "raw", demo_dir / "shards" / "raw"
     if folder.exists():
@@ -243,7 +243,7 @@ def fit(name: str, out_dir: Path, demo_dir: Path, train_dir: Path, steps: int, s
     callbacks = [
         {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
          "init_args": {"dirpath": str(folder / "checkpoints"), "save_last": True, "every_n_train_steps": steps}},
-        {"class_path": "fusion_model.demo.recorder.LossRecorder", "init_args": {"path": str(folder / "losses.json")}},
+        {"class_path": "experiments.demo.recorder.LossRecorder", "init_args": {"path": str(folder / "losses.json")}},
     ]
     options = [
         f"--seed_everything={seed}", f"--trainer.max_steps={steps}", "--trainer.max_time=null",
@@ -285,9 +285,9 @@ def late_option(kind: str, stage: int, config: ExperimentConfig, init_connector:
 def run(config: ExperimentConfig, log: Callable[[str], None] = print) -> dict:
     """Train the blind language model and the four models, evaluate each; returns (and writes) the results."""
     from common.files import load_checkpoint_file
+    from experiments.demo import evaluate
+    from experiments.demo.classifier import DigitClassifier
     from fusion_model.checkpoint import save_model
-    from fusion_model.demo import evaluate
-    from fusion_model.demo.classifier import DigitClassifier
 
     demo = load_config(config.demo)
     demo_dir = Path(config.demo_dir or demo.out_dir).resolve()
@@ -407,7 +407,7 @@ def write_report(record: dict, out_dir: Path, images: torch.Tensor, labels: np.n
     """`<out>/report.html`: the table, each model's caption loss, and the captions each wrote for the same digits."""
     import html
 
-    from fusion_model.demo import report
+    from experiments.demo import report
 
     results, runs = record["results"], record["runs"]
     curves = {}

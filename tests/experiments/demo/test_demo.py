@@ -15,8 +15,8 @@ import pytest
 import torch
 from PIL import Image
 
-from fusion_model.demo import bookkeeping, pipeline
-from fusion_model.demo.datasets import (
+from experiments.demo import bookkeeping, pipeline
+from experiments.demo.datasets import (
     arithmetic_pairs,
     caption,
     caption_texts,
@@ -25,7 +25,7 @@ from fusion_model.demo.datasets import (
     pick_by_label,
     worded_sum,
 )
-from fusion_model.demo.settings import FIT_CONFIG, load_config
+from experiments.demo.settings import FIT_CONFIG, load_config
 
 CHANCE = 0.10  # ten digits
 
@@ -101,7 +101,7 @@ def test_train_stage_records_the_equivalent_fit_command(demo):
 
 
 def test_fusion_experiment_compares_early_and_each_late_fusion_model_on_the_demo_outputs(demo, tmp_path):
-    from fusion_model.demo import fusion_experiment as experiment
+    from experiments import fusion as experiment
 
     config, out, _ = demo
     settings = experiment.ExperimentConfig(demo="smoke", demo_dir=str(out), out_dir=str(tmp_path), steps=12,
@@ -133,14 +133,14 @@ def test_fusion_experiment_compares_early_and_each_late_fusion_model_on_the_demo
 
 
 def test_greedy_captions_of_the_early_model_are_the_samplers_greedy_captions(demo):
-    from fusion_model.demo import evaluate
-    from fusion_model.demo import fusion_experiment as experiment
-    from fusion_model.demo.stages import digits_for, load_decoder, load_image_tokenizer, load_vocab
+    from experiments import fusion as experiment
+    from experiments.demo import evaluate
+    from experiments.demo.stages import digits_for, load_decoder, load_image_tokenizer, load_vocab
 
     config, out, _ = demo
     digits = digits_for(config)
     tokenizer, vocab, model = load_image_tokenizer(out), load_vocab(out), load_decoder(out)
-    from fusion_model.demo.datasets import to_model_images
+    from experiments.demo.datasets import to_model_images
 
     with torch.no_grad():
         codes, features = tokenizer.encode_with_features(to_model_images(digits.test_images[:24], 64))
@@ -152,7 +152,7 @@ def test_greedy_captions_of_the_early_model_are_the_samplers_greedy_captions(dem
 
 
 def test_fusion_experiment_needs_a_finished_demo_and_names_the_command(tmp_path, capsys):
-    from fusion_model.demo.commands import main
+    from experiments.commands import main
 
     assert main(["experiment", "fusion", "--demo", "smoke", "--demo-dir", str(tmp_path), "--out",
                  str(tmp_path / "out")]) == 2
@@ -232,10 +232,10 @@ def test_overrides_are_typed_by_the_config_dataclasses(tmp_path, capsys):
 
 
 def test_train_stage_composes_the_fit_config_with_the_demo_overrides(tmp_path):
+    from experiments.demo.recorder import LossRecorder
+    from experiments.demo.stages import fit_overrides
     from fusion_model.cli.fit import fit_from_config
     from fusion_model.config import FusionConfig
-    from fusion_model.demo.recorder import LossRecorder
-    from fusion_model.demo.stages import fit_overrides
     from fusion_model.training.callbacks import TimeBudget
 
     vocab = SimpleNamespace(vocab_size=1000, image_offset=16, image_codes=512)
@@ -286,7 +286,7 @@ def test_arithmetic_documents_word_the_sum_before_the_answer_image():
 
 
 def test_answer_image_is_read_after_the_generated_text():
-    from fusion_model.demo.evaluate import _image_codes, _text_before_image
+    from experiments.demo.evaluate import _image_codes, _text_before_image
     from tokenizer.vocab import UnifiedVocab
 
     vocab = SimpleNamespace(pad_id=0, bos_id=1, boi_id=8, eoi_id=9, eos_id=2, bov_id=None, eov_id=None,  # no video

@@ -14,7 +14,7 @@ from jsonargparse import ArgumentParser
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "configs" / "demo"
-# The train stage runs `train.py fit` with this config plus the demo's overrides (fusion_model.demo.stages).
+# The train stage runs `train.py fit` with this config plus the demo's overrides (experiments.demo.stages).
 FIT_CONFIG = REPO_ROOT / "configs" / "fusion" / "demo.yaml"
 
 

@@ -49,7 +49,7 @@ def write_clip(frames: Any, out_dir: Path, name: str, fps: float = 4) -> tuple[d
 def _describe(segments: list[Any], out_dir: Path, stem: str) -> tuple[list[dict], list[tuple[str, Any]]]:
     """Segments → JSON entries (images saved as PNG files, clips as GIF/MP4 and a strip) and (kind, value) items
     for the HTML page."""
-    from fusion_model.generation import Clip
+    from fusion_model.sampling.generate import Clip
 
     entries: list[dict] = []
     shown: list[tuple[str, Any]] = []
@@ -68,7 +68,7 @@ def _describe(segments: list[Any], out_dir: Path, stem: str) -> tuple[list[dict]
         if isinstance(segment, Image.Image):
             image = segment
         else:  # a path given in a prompt
-            from fusion_model.generation import load_prompt_image
+            from fusion_model.sampling.generate import load_prompt_image
 
             image = load_prompt_image(segment)
         name = f"{stem}_image_{n_images}.png"

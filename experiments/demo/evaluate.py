@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from fusion_model.demo.datasets import (
+from experiments.demo.datasets import (
     CALCULATE,
     EQUALS,
     PLUS,
@@ -16,10 +16,10 @@ from fusion_model.demo.datasets import (
     parse_digit,
     pick_by_label,
 )
-from fusion_model.demo.metrics import frechet_distance, per_group_diversity
-from fusion_model.demo.settings import GenerateSettings
-from fusion_model.generation import split_segments
+from experiments.demo.metrics import frechet_distance, per_group_diversity
+from experiments.demo.settings import GenerateSettings
 from fusion_model.sampling import SamplingConfig, generate_ids
+from fusion_model.sampling.generate import split_segments
 
 
 def _batched(model, vocab, prompts: list[list[int]], config: SamplingConfig, batch_size: int, bar=None) -> list[list[int]]:

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 from common.files import atomic_write_json, atomic_write_text
-from fusion_model.demo.settings import FIT_CONFIG, DemoConfig
+from experiments.demo.settings import FIT_CONFIG, DemoConfig
 
 # Bumped whenever what a stage writes changes meaning (e.g. the document layout), so old outputs are redone.
 # 4: the train stage writes one checkpoint (train/model.ckpt) and runs configs/fusion/demo.yaml.

@@ -16,8 +16,8 @@ import torch
 from PIL import Image
 
 from common.files import atomic_torch_save, load_checkpoint_file
-from fusion_model.demo.bookkeeping import STAGES, read_marker
-from fusion_model.demo.datasets import (
+from experiments.demo.bookkeeping import STAGES, read_marker
+from experiments.demo.datasets import (
     arithmetic_document,
     arithmetic_pairs,
     augment_digits,
@@ -28,8 +28,8 @@ from fusion_model.demo.datasets import (
     to_model_images,
     vocab_corpus,
 )
-from fusion_model.demo.report import to_uint8
-from fusion_model.demo.settings import FIT_CONFIG, DemoConfig, shown_path
+from experiments.demo.report import to_uint8
+from experiments.demo.settings import FIT_CONFIG, DemoConfig, shown_path
 
 
 def digits_for(config: DemoConfig):
@@ -221,8 +221,8 @@ def run_generate(config: DemoConfig, out_dir: Path, progress: bool = True) -> di
     """Train the independent classifier on real digits, then generate and score on held-out data."""
     from tqdm.auto import tqdm
 
-    from fusion_model.demo import evaluate
-    from fusion_model.demo.classifier import train_classifier
+    from experiments.demo import evaluate
+    from experiments.demo.classifier import train_classifier
 
     settings, size, seed = config.generate, config.data.image_size, config.seed
     digits = digits_for(config)
@@ -289,7 +289,7 @@ def fit_overrides(config: DemoConfig, out_dir: Path, vocab, progress: bool) -> l
                        "save_top_k": 1}},
         *([{"class_path": "fusion_model.training.callbacks.TimeBudget", "init_args": {"minutes": minutes}}]
           if auto_steps else []),
-        {"class_path": "fusion_model.demo.recorder.LossRecorder",
+        {"class_path": "experiments.demo.recorder.LossRecorder",
          "init_args": {"path": str(folder / "losses.json")}},
         *([{"class_path": "lightning.pytorch.callbacks.TQDMProgressBar"}] if progress else []),
     ]
@@ -350,8 +350,8 @@ def run_train(config: DemoConfig, out_dir: Path, progress: bool = True) -> dict:
 
 def run_report(config: DemoConfig, out_dir: Path, progress: bool = True) -> dict:
     """Write `<out>/report.html`: tokenizer, losses, generations, captions, arithmetic, evaluation, timings."""
-    from fusion_model.demo import report
-    from fusion_model.demo.datasets import caption_prompt, parse_digit
+    from experiments.demo import report
+    from experiments.demo.datasets import caption_prompt, parse_digit
     from tokenizer.image.losses import psnr
 
     records = {name: read_marker(out_dir, name) for name in STAGES if name != "report"}

@@ -27,11 +27,11 @@ def finished_demo(tmp_path_factory):
     """A demo folder with what the experiments reuse, and the settings it was made with (built once; the
     experiments write only into their own output folders)."""
     from common.files import atomic_torch_save
-    from fusion_model.demo import pipeline
-    from fusion_model.demo.classifier import train_classifier
-    from fusion_model.demo.datasets import to_model_images
-    from fusion_model.demo.settings import load_config
-    from fusion_model.demo.stages import digits_for
+    from experiments.demo import pipeline
+    from experiments.demo.classifier import train_classifier
+    from experiments.demo.datasets import to_model_images
+    from experiments.demo.settings import load_config
+    from experiments.demo.stages import digits_for
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from fusion_model.demo import mot_experiment as experiment
+from experiments import mot as experiment
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the fixtures are in conftest.py
 
@@ -94,7 +94,7 @@ def test_steps_to_match_rule():
 
 
 def test_the_command_needs_a_finished_demo_made_with_the_named_settings(finished_demo, tmp_path, capsys):
-    from fusion_model.demo.commands import main
+    from experiments.commands import main
 
     _, out = finished_demo
     threads = torch.get_num_threads()  # the command sets the process's thread count: restored below

@@ -1,4 +1,4 @@
-"""The video experiment's synthetic clips and its independent checker (fusion_model.demo.video_data)."""
+"""The video experiment's synthetic clips and its independent checker (experiments.video_data)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fusion_model.demo import video_data as v
+from experiments import video_data as v
 
 
 @pytest.fixture(scope="module")

@@ -27,16 +27,15 @@ import numpy as np
 import torch
 
 from common.files import atomic_write_json, atomic_write_text
-from fusion_model.demo.datasets import (
+from experiments.demo.datasets import (
     arithmetic_document,
     arithmetic_pairs,
     caption_document,
     pick_by_label,
     to_model_images,
 )
-from fusion_model.demo.fusion_experiment import fit
-from fusion_model.demo.settings import DemoConfig, load_config
-from fusion_model.demo.stages import (
+from experiments.demo.settings import DemoConfig, load_config
+from experiments.demo.stages import (
     digits_for,
     experiment_parser,
     load_image_tokenizer,
@@ -44,6 +43,7 @@ from fusion_model.demo.stages import (
     require_outputs,
     run_experiment_command,
 )
+from experiments.fusion import fit
 
 MODALITIES = ("text", "image")
 # Decoder sizes: FusionConfig fields over the `demo` preset (d 128, 4 layers, 4 heads, FFN 384). Every size keeps
@@ -106,7 +106,7 @@ def held_out_shards(config: MoTExperimentConfig, demo: DemoConfig, demo_dir: Pat
 
     from data_shards.pretokenize import pretokenize
     from data_shards.raw import RawShardWriter
-    from fusion_model.demo.report import to_uint8
+    from experiments.demo.report import to_uint8
 
     digits = digits_for(demo)
     labels = digits.test_labels
@@ -225,7 +225,7 @@ def evaluate_model(model, vocab, tokenizer, classifier, demo: DemoConfig, test_c
                    test_labels: np.ndarray, seed: int) -> dict:
     """Understanding (greedy captions of held-out digits) and generation (digits drawn from captions, read by the
     independent classifier), as the demo and `experiment fusion` score them."""
-    from fusion_model.demo import evaluate
+    from experiments.demo import evaluate
 
     with torch.no_grad():
         under = evaluate.understanding(model, vocab, test_codes, test_labels)
@@ -335,8 +335,8 @@ def run(config: MoTExperimentConfig, log: Callable[[str], None] = print, demo: D
     `demo`: the settings the demo in `demo_dir` ran with (default: the preset's); its held-out digits must be the
     ones the demo held out, which the shards stage's key checks."""
     from common.files import load_checkpoint_file
-    from fusion_model.demo.bookkeeping import read_marker, stage_key
-    from fusion_model.demo.classifier import DigitClassifier
+    from experiments.demo.bookkeeping import read_marker, stage_key
+    from experiments.demo.classifier import DigitClassifier
 
     if len(config.steps) != len(config.sizes):
         raise ValueError(f"--steps gives {len(config.steps)} step counts for {len(config.sizes)} sizes")

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from fusion_model.demo import video_data
-from fusion_model.demo import video_experiment as experiment
+from experiments import video as experiment
+from experiments import video_data
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the fixture is in conftest.py
 
@@ -96,9 +96,9 @@ def test_options_and_smoke_settings():
 
 
 def test_the_experiment_is_listed():
-    from fusion_model.demo.experiments import EXPERIMENTS
+    from experiments.run import EXPERIMENTS
 
-    assert EXPERIMENTS["video"][0] == "fusion_model.demo.video_experiment"
+    assert EXPERIMENTS["video"][0] == "experiments.video"
 
 
 # ---------------------------------------------------------------- the smoke mode, end to end
