@@ -247,8 +247,8 @@ def test_a_continuous_image_tokenizer_is_refused_for_a_checkpoint_of_image_codes
     assert "continuous" in err or "another image tokenizer" in err, err  # the kind, or the shards' fingerprint
     assert len(err.strip().splitlines()) == 1, err
 
-    from fusion_model.sampling.generate import generate
     from fusion_model.sampling import SamplingConfig
+    from fusion_model.sampling.generate import generate
     from tokenizer.vocab import UnifiedVocab
 
     with pytest.raises(ValueError, match="continuous one .* pass the VQ image tokenizer bundle"):

@@ -10,9 +10,9 @@ import pytest
 import torch
 from PIL import Image
 
+from fusion_model.sampling import SamplingConfig
 from fusion_model.sampling.generate import generate
 from fusion_model.sampling.output import write_samples
-from fusion_model.sampling import SamplingConfig
 from tokenizer.image import ImageTokenizer, ImageTokenizerConfig
 from tokenizer.vocab import train_unified_vocab
 
