@@ -8,8 +8,10 @@ from pathlib import Path
 import lightning as L
 
 from common.compat import check_compatible
+from data_shards.epoch_layout import DEFAULT_SHUFFLE_WINDOW
+from data_shards.loader import make_dataloader
+from data_shards.packed_stream import PackedTokenStream
 from data_shards.plan import read_index
-from data_shards.stream import DEFAULT_SHUFFLE_WINDOW, PackedTokenStream, make_dataloader
 from data_shards.token_shards import LATENT_KIND
 
 

@@ -1,53 +1,54 @@
-"""Pre-tokenize raw shards into token shards: batched image encoding, pair flipping, several processes or ranks
-(nodes), resumable; per-rank manifest parts merged into the one manifest."""
+"""Pre-tokenize raw shards into token shards: settings and reuse checks, worker processes or ranks, progress.
+
+Resumable: a finished shard made with the same settings from the same raw bytes is kept. One shard's tokenizing
+(batched image encoding, pair flipping) is `data_shards.tokenize_shard`; the per-rank manifest parts of a split run
+and their merge are `data_shards.manifest_parts`. `flip_pair`, `merge_parts`, `part_name` and `PART_FORMAT` are
+part of this module's API (`__all__`), imported from those.
+"""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import multiprocessing
-import re
 import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
 from tqdm import tqdm
 
 from common.files import atomic_write_json
+from data_shards.manifest_parts import PART_FORMAT, merge_parts, part_name, ranks_of
 from data_shards.raw import MANIFEST as RAW_MANIFEST
-from data_shards.raw import ShardError, iter_raw_shard, open_video, read_raw_manifest
+from data_shards.raw import ShardError, read_raw_manifest
 from data_shards.token_shards import (
     LATENT_KIND,
-    FeatureWriter,
     manifest_entry,
     rank_subset,
     read_shard_meta,
     sha256_file,
     write_manifest,
-    write_token_shard,
 )
-from tokenizer.image.preprocess import ImageLoadError, open_image
-from tokenizer.layout import patchify
-from tokenizer.vocab import LatentImage
+from data_shards.tokenize_shard import (
+    clip_frames_of,
+    flip_pair,
+    is_continuous,
+    is_video_tokenizer,
+    latent_dim,
+    tokenize_shard,
+)
+
+__all__ = ["PART_FORMAT", "PROGRESS_EVERY_SECONDS", "TokenizeProgress", "encoder_key", "flip_pair", "merge_parts",
+           "part_name", "pretokenize"]
 
 # Settings that change what a shard holds; a finished shard is reused only if they all match.
 _REUSE_FIELDS = ("vocab_fingerprint", "image_tokenizer_fingerprint", "vocab_size", "flip_probability", "seed",
                  "features", "patch_size")
 # What shards written before a field existed hold for it.
 _REUSE_DEFAULTS = {"features": False, "patch_size": None}
-# The device and dtype that computed a shard's image codes (and features): other hardware or precision can round a
-# latent to another code, so a shard made otherwise is tokenized again rather than mixed with this run's.
-ENCODER_FIELDS = ("encoder_device", "encoder_dtype")
-# Per-rank parts of a tokenize split over ranks (`--world-size` > 1), merged into the manifest by `merge_parts`.
-PART_FORMAT = "early-fusion-tokens-part/1"
-_PART_NAME = re.compile(r"^manifest\.part-(?P<rank>\d+)-of-(?P<world>\d+)\.json$")
 
 
 def encoder_key(image_tokenizer) -> dict[str, str]:
@@ -61,16 +62,6 @@ def encoder_key(image_tokenizer) -> dict[str, str]:
     if isinstance(image_tokenizer, torch.nn.Module):
         dtype = next(image_tokenizer.parameters(), torch.empty(0)).dtype
     return {"encoder_device": where, "encoder_dtype": str(dtype).removeprefix("torch.")}
-
-
-def is_continuous(image_tokenizer) -> bool:
-    """Whether the image tokenizer gives continuous latents (`kind` "continuous") rather than codes."""
-    return getattr(image_tokenizer, "kind", "vq") == "continuous"
-
-
-def latent_dim(image_tokenizer, patch_size: int) -> int:
-    """Values per latent patch: channels x patch_size x patch_size."""
-    return int(image_tokenizer.latent_channels) * patch_size * patch_size
 
 
 def _made_by(meta: dict) -> tuple[str, str]:
@@ -98,179 +89,6 @@ def _exact_cuda_math(enabled: bool) -> Iterator[None]:
     finally:
         (backends.cudnn.allow_tf32, backends.cuda.matmul.allow_tf32, backends.cudnn.deterministic,
          backends.cudnn.benchmark) = saved
-
-
-def flip_pair(key: str, seed: int, probability: float) -> bool:
-    """Whether the [text, image] pair document `key` is emitted in the other order (deterministic per key)."""
-    digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < probability
-
-
-def _is_pair(segments: list) -> bool:
-    return len(segments) == 2 and sum(isinstance(s, str) for s in segments) == 1
-
-
-def is_video_tokenizer(image_tokenizer) -> bool:
-    """Whether the tokenizer encodes clips (`encode_clips`, `video_grid`: tokenizer.video.VideoTokenizer's kind)."""
-    return callable(getattr(image_tokenizer, "encode_clips", None)) and hasattr(image_tokenizer, "video_grid")
-
-
-def clip_frames_of(image_tokenizer) -> int:
-    """Frames per clip the video tokenizer encodes (its config's `clip_frames`)."""
-    return int(image_tokenizer.config.clip_frames)
-
-
-def _open_clip(raw_path: Path, key: str, segment: tuple, vocab, image_tokenizer, with_features: bool) -> np.ndarray:
-    """A raw clip segment as the uint8 (clip_frames, H, W, 3) frames the video tokenizer encodes.
-
-    The rule for frame counts: a clip longer than the tokenizer's `clip_frames` keeps its first `clip_frames`
-    frames; a shorter one is refused, naming it (`shards write --min-clip-frames` skips those at ingest instead).
-    """
-    where = f"shard {raw_path.name}, key {key!r}"
-    if image_tokenizer is None:
-        raise ShardError(f"{where}: holds a clip but no image tokenizer was given; pass a video tokenizer bundle "
-                         "as --image-tokenizer")
-    if not is_video_tokenizer(image_tokenizer):
-        raise ShardError(f"{where}: holds a clip, but the image tokenizer (kind "
-                         f"{getattr(image_tokenizer, 'kind', 'vq')!r}) is not a video tokenizer; pass a video "
-                         "tokenizer bundle (kind 'video') as --image-tokenizer")
-    if not getattr(vocab, "has_video", False):
-        raise ShardError(f"{where}: holds a clip, but the vocabulary has no video markers (<bov>/<eov>); build "
-                         "the vocabulary on the video tokenizer (`train.py vocab`)")
-    if with_features:
-        raise ShardError(f"{where}: holds a clip, and --features stores image features only; tokenize clips "
-                         "without --features")
-    frames = clip_frames_of(image_tokenizer)
-    try:
-        clip = open_video(segment, name=f"{raw_path.name}:{key}", max_frames=frames)
-    except ValueError as err:  # ClipLoadError
-        raise ShardError(f"{where}: {err}") from err
-    if clip.shape[0] < frames:
-        raise ShardError(f"{where}: its clip has {clip.shape[0]} frames, fewer than the video tokenizer's "
-                         f"clip_frames {frames}; remove it, or write the raw shards again with --min-clip-frames "
-                         f"{frames} to skip such clips")
-    return clip
-
-
-def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: dict, batch_size: int,
-                   raw_sha256: str | None = None) -> dict:
-    """Tokenize one raw shard into the token shard of the same stem; returns the shard's meta.
-
-    `raw_sha256` is the hash the caller decided on (computed here when None); the tar is hashed again after
-    reading, so a raw shard rewritten meanwhile is refused rather than recorded under the wrong hash. Features
-    (`info["features"]`) go to disk batch by batch (`FeatureWriter`), never a whole shard's in memory.
-    """
-    name = raw_path.name.removesuffix(".tar")
-    raw_sha256 = raw_sha256 or sha256_file(raw_path)
-    keys: list[str] = []
-    documents: list[np.ndarray] = []  # int64 ids: 8 bytes a token where a list of ints takes about 36
-    pending: list[tuple[str, list]] = []
-    images_done = clips_done = 0
-    with_features = bool(info.get("features"))
-    patch_size = info.get("patch_size")  # set for a continuous image tokenizer: its latents are cut into patches
-    # on a GPU one encoder call per batch (the tokenizer's own default splits into 32s); on the CPU the calls stay
-    # as they were, so shards from before the device was recorded keep the codes a rerun would compute
-    whole_batch = str(info.get("encoder_device", "")).startswith("cuda")
-    with ExitStack() as stack:
-        # per image (h*w, C) float16 rows, in the order the images appear in the ids
-        dim = (latent_dim(image_tokenizer, patch_size) if patch_size else
-               image_tokenizer.config.embed_dim if with_features else 0)
-        writer = stack.enter_context(FeatureWriter(out_dir, name, dim)) if with_features else None
-
-        def flush() -> None:
-            nonlocal images_done, clips_done
-            images = [s for _, segments in pending for s in segments if isinstance(s, Image.Image)]
-            clips = [s for _, segments in pending for s in segments if isinstance(s, np.ndarray)]
-            grids: list[torch.Tensor] = []
-            image_features: list[torch.Tensor] = []
-            for start in range(0, len(images), batch_size):
-                chunk = images[start : start + batch_size]
-                sizes = {"batch_size": len(chunk)} if whole_batch else {}
-                with torch.inference_mode():
-                    # plain `encode` without features: an image tokenizer then needs only encode/grid_shape/fingerprint
-                    if patch_size:  # continuous: the latents are the image; each becomes its patches' rows
-                        latents = image_tokenizer.encode(chunk, **sizes).float().cpu()
-                        image_features.extend(torch.from_numpy(patchify(latents.numpy(), patch_size)))
-                        codes = torch.full((len(chunk),), latents.shape[2] * latents.shape[3] // patch_size**2)
-                    elif with_features:
-                        codes, feats = image_tokenizer.encode_with_features(chunk, **sizes)
-                        image_features.extend(feats.float().cpu())
-                    else:
-                        codes = image_tokenizer.encode(chunk, **sizes)
-                grids.extend(codes.cpu())
-            clip_grids: list[torch.Tensor] = []
-            if clips:  # several frames each: fewer clips than images per encoder call
-                per_call = max(1, batch_size // clip_frames_of(image_tokenizer))
-                expected = tuple(int(side) for side in image_tokenizer.video_grid)
-                for start in range(0, len(clips), per_call):
-                    chunk = clips[start : start + per_call]
-                    sizes = {"batch_size": len(chunk)} if whole_batch else {}
-                    with torch.inference_mode():
-                        codes = image_tokenizer.encode_clips(chunk, **sizes).cpu()
-                    if tuple(codes.shape[1:]) != expected:
-                        raise ShardError(f"shard {raw_path.name}: the video tokenizer gave codes of shape "
-                                         f"{tuple(codes.shape[1:])} for clips, its video_grid is {expected}; check "
-                                         "the tokenizer bundle")
-                    clip_grids.extend(codes)
-            grid_iter, clip_iter, feature_iter = iter(grids), iter(clip_grids), iter(image_features)
-            for key, segments in pending:
-                segments = [next(grid_iter) if isinstance(s, Image.Image) else
-                            next(clip_iter) if isinstance(s, np.ndarray) else s for s in segments]
-                if patch_size:  # an image is its count of patches: `<boi>`, that many `<image>`, `<eoi>`
-                    segments = [s if isinstance(s, str) else LatentImage(int(s)) for s in segments]
-                if writer is not None:
-                    for segment in segments:
-                        if not isinstance(segment, str):  # images only: a clip with --features was refused
-                            rows = next(feature_iter).numpy()
-                            # float16 as stored: a latent past its range becomes infinite there
-                            if not np.isfinite(rows.astype(np.float16)).all():
-                                raise ShardError(f"shard {raw_path.name}, key {key!r}: the image tokenizer gave "
-                                                 "NaN or infinite latents (or features beyond float16) for its image; "
-                                                 "check the image and the tokenizer bundle")
-                            writer.write(rows)
-                try:
-                    ids = vocab.encode_document(segments, bos=True, eos=True)
-                except (ValueError, IndexError) as err:
-                    raise ShardError(f"shard {raw_path.name}, key {key!r}: cannot encode document ({err})") from err
-                keys.append(key)
-                documents.append(np.asarray(ids, dtype=np.int64))
-            images_done += len(images)
-            clips_done += len(clips)
-            pending.clear()
-
-        pending_images = pending_frames = 0
-        for key, raw_segments in iter_raw_shard(raw_path):
-            segments: list[str | Image.Image] = []
-            for segment in raw_segments:
-                if isinstance(segment, str):
-                    segments.append(segment)
-                    continue
-                if segment[0] == "video":
-                    segments.append(_open_clip(raw_path, key, segment, vocab, image_tokenizer, with_features))
-                    continue
-                if image_tokenizer is None:
-                    raise ShardError(f"shard {raw_path.name}, key {key!r}: holds an image but no image tokenizer "
-                                     "was given")
-                try:
-                    segments.append(open_image(segment[1], name=f"{raw_path.name}:{key}"))
-                except ImageLoadError as err:
-                    raise ShardError(f"shard {raw_path.name}, key {key!r}: {err}") from err
-            if _is_pair(segments) and flip_pair(key, info["seed"], info["flip_probability"]):
-                segments.reverse()
-            pending.append((key, segments))
-            pending_images += sum(isinstance(s, Image.Image) for s in segments)
-            pending_frames += sum(s.shape[0] for s in segments if isinstance(s, np.ndarray))
-            if pending_images >= batch_size or pending_frames >= batch_size:
-                flush()
-                pending_images = pending_frames = 0
-        flush()
-        if sha256_file(raw_path) != raw_sha256:
-            raise ShardError(f"shard {raw_path}: the raw shard changed while it was being tokenized; run "
-                             "`shards tokenize` again once it is no longer being written")
-        return write_token_shard(out_dir, name, keys, documents,
-                                 {**info, "images": images_done, **({"clips": clips_done} if clips_done else {}),
-                                  "source": raw_path.name, "raw_sha256": raw_sha256},
-                                 features=writer)
 
 
 # How often, at most, a plain progress line is printed when stderr is a log file rather than a terminal.
@@ -536,94 +354,8 @@ def pretokenize(
     # the last rank to finish finds every part and writes the manifest (two finishing at once write the same bytes)
     missing = [r for r in range(world_size) if not (out_dir / part_name(r, world_size)).is_file()]
     if missing:
-        return {**part, "waiting": f"{_ranks_of(missing, world_size)} not finished yet"}
+        return {**part, "waiting": f"{ranks_of(missing, world_size)} not finished yet"}
     try:
         return merge_parts(out_dir, world_size)
     except ShardError as err:
         return {**part, "waiting": str(err)}
-
-
-def part_name(rank: int, world_size: int) -> str:
-    """The file name of rank `rank`'s manifest part on a `world_size`-rank tokenize."""
-    return f"manifest.part-{rank:05d}-of-{world_size:05d}.json"
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks))
-
-
-def _ranks_of(ranks: list[int], world_size: int) -> str:
-    """"rank 1 of 4 has" / "ranks 1, 3 of 4 have"."""
-    return f"rank {ranks[0]} of {world_size} has" if len(ranks) == 1 else f"ranks {_ranks(ranks)} of {world_size} have"
-
-
-def merge_parts(token_dir: str | Path, world_size: int | None = None) -> dict:
-    """Write `manifest.json` from the per-rank parts of a split tokenize; returns it. The same bytes as a
-    one-process run writes: the same header, the shards in the raw manifest's order.
-
-    `world_size`: which run's parts, needed only when parts of several world sizes are there. Raises ShardError,
-    saying what to run, when a rank has not finished, when parts disagree (another raw directory, other settings,
-    codes made on another device or dtype), or when a listed shard is no longer the one its rank finished.
-    """
-    token_dir = Path(token_dir)
-    found: dict[int, dict[int, Path]] = {}
-    for path in token_dir.glob("manifest.part-*-of-*.json"):
-        match = _PART_NAME.match(path.name)
-        if match:
-            found.setdefault(int(match["world"]), {})[int(match["rank"])] = path
-    if not found:
-        raise ShardError(f"{token_dir}: no manifest parts (manifest.part-R-of-W.json): they are written by "
-                         "`train.py shards tokenize` run with --world-size W > 1 on each rank R")
-    if world_size is None:
-        if len(found) > 1:
-            raise ShardError(f"{token_dir}: manifest parts of runs with world sizes {_ranks(sorted(found))}; give "
-                             "--world-size to say which run to merge")
-        world_size = next(iter(found))
-    paths = found.get(world_size, {})
-    missing = [rank for rank in range(world_size) if rank not in paths]
-    if missing:
-        raise ShardError(f"{token_dir}: {_ranks_of(missing, world_size)} not finished (no "
-                         f"{part_name(missing[0], world_size)}); run `train.py shards tokenize` there with the same "
-                         "--world-size (finished shards are skipped)")
-    parts = []
-    for rank in range(world_size):
-        try:
-            part = json.loads(paths[rank].read_text())
-        except (OSError, ValueError) as err:
-            raise ShardError(f"{paths[rank]}: unreadable manifest part ({err}); run rank {rank} again") from err
-        if not isinstance(part, dict) or part.get("format") != PART_FORMAT:
-            raise ShardError(f"{paths[rank]}: not a manifest part (format {PART_FORMAT!r}); run rank {rank} again")
-        parts.append(part)
-    for field, what in (("raw_manifest_sha256", "other raw shards (their raw manifests differ)"),
-                        ("header", "other settings")):
-        groups: dict[str, list[int]] = {}
-        for rank, part in enumerate(parts):
-            groups.setdefault(json.dumps(part.get(field), sort_keys=True), []).append(rank)
-        if len(groups) > 1:
-            headers = [parts[ranks[0]]["header"] for ranks in groups.values()]
-            encoders = {" ".join(str(h.get(f)) for f in ENCODER_FIELDS) for h in headers}
-            if field == "header" and len(encoders) > 1:
-                what = f"images encoded on different devices or dtypes ({'; '.join(sorted(encoders))})"
-            split = "; ".join(f"rank {_ranks(ranks)}" for ranks in groups.values())
-            raise ShardError(f"{token_dir}: the {world_size} ranks' parts were written for {what}: {split}. Run "
-                             "the ranks whose part is stale again, with the same data, settings, device and dtype as "
-                             "the others (finished shards are skipped, others' codes redone)")
-    entries: dict[int, dict] = {}
-    for rank, part in enumerate(parts):
-        for item in part["shards"]:
-            entry = item["entry"]
-            meta = read_shard_meta(token_dir, entry["name"])
-            # the meta is written last and removed before a shard is redone: a rank still at work, or a later run,
-            # shows here as a meta that is missing or no longer what this part recorded
-            if meta is None or manifest_entry(meta) != entry:
-                raise ShardError(f"{token_dir}: shard {entry['name']} is not the one rank {rank} finished (missing "
-                                 f"or rewritten since); run rank {rank} of {world_size} again")
-            if item["index"] in entries:
-                raise ShardError(f"{token_dir}: raw shard {item['index']} is listed by two ranks' parts; run the "
-                                 "ranks again with one --world-size")
-            entries[item["index"]] = entry
-    count = int(parts[0]["raw_shards"])
-    if sorted(entries) != list(range(count)):
-        raise ShardError(f"{token_dir}: the parts list {len(entries)} of the {count} raw shards; run every rank "
-                         "again with one --world-size")
-    return write_manifest(token_dir, parts[0]["header"], [entries[index] for index in range(count)])

@@ -175,8 +175,8 @@ def test_pack_rows_fits_every_piece_once_and_within_seq_len():
 
 def test_packed_logits_equal_each_document_run_alone_in_the_model(tmp_path, tok):
     """Through the real decoder: a packed document's logits do not depend on its row-mates."""
-    from fusion_model.attention import build_mask, positions_from_documents
     from fusion_model.config import FusionConfig
+    from fusion_model.layers.attention_backends import build_mask, positions_from_documents
     from fusion_model.model import FusionModel
 
     rng = np.random.default_rng(0)
