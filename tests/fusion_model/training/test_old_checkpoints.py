@@ -1,16 +1,16 @@
 """Checkpoints that `train.py fit` wrote before the restructuring still work with the code as it is now.
 
-The fixture (tests/fixtures/checkpoints/tiny-d9f92c4, see its README.md) holds three real `fit` checkpoints written by
-commit d9f92c4 after 3 steps: a dense Chameleon decoder, a Mixture-of-Transformers one and a Transfusion one (with
-their optimizer state, lr schedule, loops, loader position and RNG states), beside the token shards, vocabulary and
-image tokenizers they were trained with. It stands for checkpoints users already have: never regenerate it with new
-code. For each checkpoint this proves that
+The fixture (tests/fixtures/checkpoints/tiny-d9f92c4, see its README.md) holds three real `fit` checkpoints
+written by commit d9f92c4 after 3 steps: a dense Chameleon decoder, a Mixture-of-Transformers one and a
+Transfusion one (with their optimizer state, lr schedule, loops, loader position and RNG states), beside the
+token shards, vocabulary and image tokenizers they were trained with. It stands for checkpoints users already
+have: never regenerate it with new code. For each checkpoint this proves that
 - `load_family` builds its family and loads exactly the file's weights into the family's parts;
 - `train.py fit --ckpt_path` resumes it at its step 3 (optimizer, schedule and loader position restored, not
-  restarted) and trains 2 more steps on the same data to the losses the old code trained it to;
+  restarted) and trains 2 more steps on the same rows to the losses the old code trained it to;
 - `train.py generate` samples text and images from it;
-- the class paths its saved run config names still import, and the fixture's files are the ones the old code wrote.
-Every test works on a copy in tmp_path: the fixture is only read.
+- the class paths its saved run config names still import, and the fixture is the old code's bytes.
+Every test reads the fixture only; what runs on it runs on a copy in tmp_path.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ RUNS = {
     "transfusion": ("transfusion", "tokens-latents", "kl", ["--model.family", "transfusion"]),
 }
 # the `fit` options every checkpoint was written with (README.md), but --trainer.max_steps
-FIT = ["--model.config.vocab_size", str(VOCAB_SIZE), "--model.config.dim", "16", "--model.config.n_layers", "2",
-       "--model.config.n_heads", "2", "--model.config.n_kv_heads", "1", "--model.config.ffn_dim", "32",
+FIT = ["--model.config.vocab_size", str(VOCAB_SIZE), "--model.config.dim", "16",
+       "--model.config.n_layers", "2", "--model.config.n_heads", "2", "--model.config.n_kv_heads", "1",
+       "--model.config.ffn_dim", "32",
        "--model.config.max_seq_len", "64", "--data.seq_len", "32", "--data.batch_size", "2",
        "--trainer.val_check_interval", "null", "--trainer.limit_val_batches", "0",
        "--trainer.enable_progress_bar", "false", "--threads", "1"]
@@ -67,10 +68,10 @@ def test_load_family_loads_the_weights_of_an_old_checkpoint(run, fixture):
     checkpoint = read(path)
     loaded = load_family(path)
     assert loaded.family.name == family
-    assert loaded.tokenizers == checkpoint["hyper_parameters"]["tokenizers"]  # the fingerprints it was trained with
+    assert loaded.tokenizers == checkpoint["hyper_parameters"]["tokenizers"]  # the fingerprints it had
     weights = {f"{part}.{key}": value for part, module in loaded.parts.items()
                for key, value in module.state_dict().items()}
-    assert sorted(weights) == sorted(checkpoint["state_dict"])  # every weight of the file, in the parts, no other
+    assert sorted(weights) == sorted(checkpoint["state_dict"])  # every weight of the file, and no other
     for name, value in checkpoint["state_dict"].items():
         assert torch.equal(weights[name], value), name
     assert not any(module.training for module in loaded.parts.values())
@@ -79,16 +80,18 @@ def test_load_family_loads_the_weights_of_an_old_checkpoint(run, fixture):
 def fit_argv(run: str, fixture: Path, root: Path, max_steps: int) -> list[str]:
     """The `train.py fit` command that wrote the fixture's `run`, with another max_steps and root."""
     _, tokens, image_tokenizer, extra = RUNS[run]
-    return ["fit", "--config", str(REPO / "configs/fusion/tiny.yaml"), "--vocab", str(fixture / "vocab/tokenizer.json"),
-            *FIT, "--data.train_dir", str(fixture / tokens), "--image-tokenizer", str(fixture / image_tokenizer),
-            *extra, f"--trainer.max_steps={max_steps}", "--trainer.default_root_dir", str(root)]
+    return ["fit", "--config", str(REPO / "configs/fusion/tiny.yaml"),
+            "--vocab", str(fixture / "vocab/tokenizer.json"), *FIT, "--data.train_dir", str(fixture / tokens),
+            "--image-tokenizer", str(fixture / image_tokenizer), *extra, f"--trainer.max_steps={max_steps}",
+            "--trainer.default_root_dir", str(root)]
 
 
 def logged(root: Path, names: set[str]) -> dict[str, dict[str, float]]:
     """step -> {metric: value} of the CSV log under `root`, for the metrics in `names`."""
     (metrics,) = root.rglob("metrics.csv")
     with metrics.open() as handle:
-        return {row["step"]: {k: float(v) for k, v in row.items() if v and k in names} for row in csv.DictReader(handle)}
+        rows = list(csv.DictReader(handle))
+    return {row["step"]: {k: float(v) for k, v in row.items() if v and k in names} for row in rows}
 
 
 @pytest.mark.parametrize("run", sorted(RUNS))
@@ -97,13 +100,16 @@ def test_fit_resumes_an_old_checkpoint_where_it_stopped(run, fixture, tmp_path):
     old = read(old_path)
     assert old["global_step"] == STEPS_SAVED
     root = tmp_path / "resumed"
-    assert cli.main([*fit_argv(run, fixture, root, STEPS_SAVED + MORE_STEPS), "--ckpt_path", str(old_path)]) == 0
+    argv = [*fit_argv(run, fixture, root, STEPS_SAVED + MORE_STEPS), "--ckpt_path", str(old_path)]
+    assert cli.main(argv) == 0
 
     (new_path,) = root.rglob("last.ckpt")
     new = read(new_path)
-    assert new["global_step"] == STEPS_SAVED + MORE_STEPS  # went on from step 3, did not start again at 0
-    # the optimizer's and the schedule's counts went on from the checkpoint's: their state was restored
-    assert {int(state["step"]) for state in new["optimizer_states"][0]["state"].values()} == {STEPS_SAVED + MORE_STEPS}
+    assert new["global_step"] == STEPS_SAVED + MORE_STEPS
+    # the optimizer's and the schedule's counts are the run's (a fresh optimizer would count 2; the logged
+    # steps and metrics below also fail for a run that starts again at step 0)
+    steps = {int(state["step"]) for state in new["optimizer_states"][0]["state"].values()}
+    assert steps == {STEPS_SAVED + MORE_STEPS}
     assert new["lr_schedulers"][0]["last_epoch"] == STEPS_SAVED + MORE_STEPS
     assert new["hyper_parameters"]["config"] == old["hyper_parameters"]["config"]
     assert new["hyper_parameters"]["family_options"] == old["hyper_parameters"]["family_options"]
@@ -113,9 +119,10 @@ def test_fit_resumes_an_old_checkpoint_where_it_stopped(run, fixture, tmp_path):
     expected = json.loads((fixture / run / "resume.json").read_text())
     assert new["loops"]["fit_loop"]["state_dict"]["combined_loader"] == expected["combined_loader"]
     metrics = logged(root, {name for step in expected["metrics"].values() for name in step})
-    assert sorted(metrics) == [str(s) for s in range(STEPS_SAVED, STEPS_SAVED + MORE_STEPS)]  # steps go on at 3
+    assert sorted(metrics) == [str(s) for s in range(STEPS_SAVED, STEPS_SAVED + MORE_STEPS)]  # on from 3
     for step, values in expected["metrics"].items():
-        assert metrics[step] == pytest.approx(values, rel=1e-5), step
+        # 1e-4: another CPU's kernels may round a little differently; a wrong resume is off by far more
+        assert metrics[step] == pytest.approx(values, rel=1e-4), step
 
 
 GENERATE = [("chameleon-dense", "text"), ("chameleon-dense", "image"), ("chameleon-mot", "image"),
@@ -126,9 +133,10 @@ GENERATE = [("chameleon-dense", "text"), ("chameleon-dense", "image"), ("chamele
 def test_generate_samples_from_an_old_checkpoint(run, mode, fixture, tmp_path):
     family, _, image_tokenizer, _ = RUNS[run]
     out = tmp_path / "samples"
-    argv = ["generate", "--checkpoint", str(fixture / run / "last.ckpt"), "--vocab", str(fixture / "vocab/tokenizer.json"),
-            "--image-tokenizer", str(fixture / image_tokenizer), "--prompt", "a red circle", "--mode", mode,
-            "--out", str(out)]
+    argv = ["generate", "--checkpoint", str(fixture / run / "last.ckpt"),
+            "--vocab", str(fixture / "vocab/tokenizer.json"),
+            "--image-tokenizer", str(fixture / image_tokenizer),
+            "--prompt", "a red circle", "--mode", mode, "--out", str(out)]
     argv += ["--max-new-tokens", "3"] if mode == "text" else []
     argv += ["--denoising-steps", "2"] if family == "transfusion" else []
     assert cli.main(argv) == 0
@@ -145,17 +153,20 @@ def test_generate_samples_from_an_old_checkpoint(run, mode, fixture, tmp_path):
 
 
 def class_paths(node) -> list[str]:
+    """Every `class_path` value in a parsed YAML tree."""
     if isinstance(node, dict):
-        return [node["class_path"]] * ("class_path" in node) + [p for value in node.values() for p in class_paths(value)]
+        own = [node["class_path"]] if "class_path" in node else []
+        return own + [path for value in node.values() for path in class_paths(value)]
     if isinstance(node, list):
-        return [p for value in node for p in class_paths(value)]
+        return [path for value in node for path in class_paths(value)]
     return []
 
 
 def test_the_class_paths_the_old_runs_saved_still_import():
-    """Each run's config.yaml (LightningCLI's record of the run, what `--config` reruns) names classes by module path:
-    moving one of those modules without leaving its name importable breaks every saved config."""
-    paths = {p for run in RUNS for p in class_paths(yaml.safe_load((FIXTURE / run / "config.yaml").read_text()))}
+    """Each run's config.yaml (LightningCLI's record of the run, what `--config` reruns) names classes by
+    module path: moving one of those modules without leaving its name importable breaks every saved config."""
+    configs = [yaml.safe_load((FIXTURE / run / "config.yaml").read_text()) for run in RUNS]
+    paths = {path for config in configs for path in class_paths(config)}
     assert "fusion_model.training.checkpointing.AtomicCheckpointIO" in paths
     for path in sorted(paths):
         module, _, name = path.rpartition(".")
@@ -165,8 +176,9 @@ def test_the_class_paths_the_old_runs_saved_still_import():
 def test_the_fixture_is_the_one_the_old_code_wrote():
     """SHA256SUMS was written with the fixture: a fixture regenerated (or written into) by newer code would no
     longer stand for the checkpoints users have."""
-    listed = dict(reversed(line.split("  ", 1)) for line in (FIXTURE / "SHA256SUMS").read_text().splitlines())
-    files = {str(p.relative_to(FIXTURE)) for p in FIXTURE.rglob("*") if p.is_file()} - {"README.md", "SHA256SUMS"}
-    assert set(listed) == files
+    lines = (FIXTURE / "SHA256SUMS").read_text().splitlines()
+    listed = {name: digest for digest, name in (line.split("  ", 1) for line in lines)}
+    files = {p.relative_to(FIXTURE).as_posix() for p in FIXTURE.rglob("*") if p.is_file()}
+    assert set(listed) == files - {"README.md", "SHA256SUMS"}
     for name, digest in listed.items():
         assert hashlib.sha256((FIXTURE / name).read_bytes()).hexdigest() == digest, name
