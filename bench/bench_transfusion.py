@@ -19,8 +19,8 @@ from fusion_model.families.base import Family, ObjectiveContext
 from fusion_model.families.chameleon.family import ChameleonFamily
 from fusion_model.families.transfusion import sampling as transfusion_sampling
 from fusion_model.families.transfusion.family import TransfusionFamily
+from fusion_model.families.transfusion.sampling import DiffusionSamplingConfig
 from fusion_model.sampling import SamplingConfig, generate_ids
-from fusion_model.sampling.denoising import DiffusionSamplingConfig
 from tokenizer.vocab import UnifiedVocab, train_unified_vocab
 
 CORPUS = ["In the beginning God created the heaven and the earth.", "And the earth was without form, and void."] * 20

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import types
 import typing
 from dataclasses import asdict, replace
@@ -16,13 +17,14 @@ from typing import Any
 import torch
 
 from fusion_model.cli import DefaultsHelpFormatter
-from fusion_model.families.loading import load_family
+from fusion_model.families import BUILTIN_FAMILIES, family_class
+from fusion_model.families.loading import checkpoint_family, load_family
 from fusion_model.sampling import MODES, SamplingConfig
-from fusion_model.sampling.denoising import DiffusionSamplingConfig
 from fusion_model.sampling.output import write_samples
 
 # The help line of each SamplingConfig field. The options themselves are generated from the dataclass's fields
-# (`add_sampling_options`), so a new field gets its option without a new argparse line (help: this table).
+# (`add_sampling_options`), so a new field gets its option without a new argparse line (help: this table, or the
+# field's metadata["help"] for a family's own settings, which the checkpoint's family adds).
 SAMPLING_HELP: dict[str, str] = {
     "mode": "text: text only; image: one image right after the prompt; video: one clip right after the prompt "
             "(needs a video tokenizer bundle as --image-tokenizer; written as GIF, MP4 and a frame strip); "
@@ -46,8 +48,6 @@ SAMPLING_HELP: dict[str, str] = {
                           "the same distribution in fewer passes (greedy: the same tokens); combines with "
                           "--compile; 0 = off (window 8 made 1.56x fewer passes per image on the demo's model, "
                           "but no CPU time was saved)",
-    "denoising_steps": "DDIM steps per image of a checkpoint whose images come from a diffusion model (at most its "
-                       "training steps; guidance: --cfg-scale)",
     "compile": "torch.compile the decode step (on CUDA as a CUDA graph): the same tokens, faster steps after a "
                "one-off compile (9-26 s on 2 CPU cores); pays off after several thousand tokens per prompt shape",
 }
@@ -81,7 +81,7 @@ def add_sampling_options(group: Any, config_class: type = SamplingConfig) -> lis
         if name in NOT_OPTIONS or not field.init:
             continue
         kind, default = _option_type(hints[name]), getattr(defaults, name)
-        help_ = SAMPLING_HELP.get(name, f"SamplingConfig.{name}")
+        help_ = field.metadata.get("help") or SAMPLING_HELP.get(name, f"SamplingConfig.{name}")
         if kind is bool:
             flag = FLAG_NAMES.get(name) or f"--{'no-' if default else ''}{name.replace('_', '-')}"
             group.add_argument(flag, dest=name, action="store_const", const=not default, default=None, help=help_)
@@ -112,14 +112,29 @@ class _Segment(argparse.Action):
         namespace.segments = segments
 
 
-def parser() -> argparse.ArgumentParser:
-    """The command-line options (every one has a help line)."""
+def family_options_note() -> str:
+    """Which options each built-in family adds to the sampling settings (shown with --checkpoint CKPT --help)."""
+    base = {f.name for f in dataclasses.fields(SamplingConfig)}
+    added = []
+    for name in BUILTIN_FAMILIES:
+        extra = [f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(family_class(name).sampling_config)
+                 if f.name not in base]
+        if extra:
+            added.append(f"{name}: {', '.join(extra)}")
+    return ("A checkpoint's family may add sampling options (--checkpoint CKPT --help shows them): "
+            + "; ".join(added) + ".") if added else ""
+
+
+def parser(config_class: type[SamplingConfig] = SamplingConfig) -> argparse.ArgumentParser:
+    """The command-line options (every one has a help line), with one sampling option per field of `config_class`
+    (the checkpoint's family's `sampling_config`)."""
     p = argparse.ArgumentParser(
         prog="train.py generate",
         description=__doc__,
         formatter_class=DefaultsHelpFormatter,
         epilog="Example: python train.py generate --checkpoint runs/fit/last.ckpt --vocab runs/vocab/tokenizer.json "
-        "--image-tokenizer runs/tokenizer/export --prompt 'a photo of a seven' --mode image --cfg-scale 1.5",
+        "--image-tokenizer runs/tokenizer/export --prompt 'a photo of a seven' --mode image --cfg-scale 1.5. "
+        + (family_options_note() if config_class is SamplingConfig else ""),
     )
     io = p.add_argument_group("model and tokenizers")
     io.add_argument("--checkpoint", required=True,
@@ -149,7 +164,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--chameleon-defaults", action="store_true",
                    help="start from Chameleon's release settings (temperature 0.7, top-p 0.9, text repetition "
                         "penalty 1.2, three-stream CFG 1.2 / 3.0); explicit options below override them")
-    add_sampling_options(s, DiffusionSamplingConfig)
+    add_sampling_options(s, config_class)
 
     p.add_argument("--out", default="runs/samples", help="output directory (PNGs, samples.json, index.html)")
     return p
@@ -181,36 +196,29 @@ def read_prompts(args: argparse.Namespace) -> list[list[Any]]:
     return prompts
 
 
-def sampling_config(args: argparse.Namespace) -> SamplingConfig:
-    """SamplingConfig from the options (defaults, or Chameleon's with --chameleon-defaults); a
-    DiffusionSamplingConfig when a diffusion setting (--denoising-steps) is given."""
-    base = SamplingConfig.chameleon() if args.chameleon_defaults else SamplingConfig()
-    fields = [f.name for f in dataclasses.fields(SamplingConfig)]
+def sampling_config(args: argparse.Namespace, config_class: type[SamplingConfig] = SamplingConfig) -> SamplingConfig:
+    """`config_class` (the checkpoint's family's sampling settings) from the options: its defaults, or Chameleon's
+    with --chameleon-defaults, with every option given on top."""
+    base = config_class.chameleon() if args.chameleon_defaults else config_class()
+    fields = [f.name for f in dataclasses.fields(config_class)]
     values = {name: getattr(args, name) for name in fields if getattr(args, name, None) is not None}
     values = {name: tuple(v) if isinstance(v, list) else v for name, v in values.items()}
     if args.cfg_scale is not None and args.cfg_image_scale is None:
         values["cfg_image_scale"] = values["cfg_text_scale"] = None  # an explicit two-stream request wins
-    config = replace(base, **values)
-    diffusion = {f.name: getattr(args, f.name) for f in dataclasses.fields(DiffusionSamplingConfig)
-                 if f.name not in fields and getattr(args, f.name, None) is not None}
-    if not diffusion:
-        return config
-    return DiffusionSamplingConfig(**{name: getattr(config, name) for name in fields}, **diffusion)
+    return replace(base, **values)
 
 
-def run(args: argparse.Namespace) -> dict[str, Path]:
-    """Load, sample in batches, write; returns the written JSON and HTML paths."""
+def run(args: argparse.Namespace, config_class: type[SamplingConfig] = SamplingConfig) -> dict[str, Path]:
+    """Load, sample in batches, write; returns the written JSON and HTML paths. `config_class`: the sampling
+    settings of the checkpoint's family (what `parse_arguments` parsed the options for)."""
     from tokenizer.vocab import UnifiedVocab
 
     if args.num_samples < 1 or args.batch_size < 1:
         raise ValueError("--num-samples and --batch-size must be at least 1")
-    config = sampling_config(args)
+    config = sampling_config(args, config_class)  # checked before the model loads
     prompts = [p for p in read_prompts(args) for _ in range(args.num_samples)]
     dtype = getattr(torch, args.dtype)
     loaded = load_family(args.checkpoint)  # any family's checkpoint; the family says how it samples
-    if isinstance(config, DiffusionSamplingConfig) and not hasattr(loaded.family, "denoise"):
-        raise ValueError(f"--denoising-steps applies to a checkpoint whose images come from a diffusion model (a "
-                         f"family with `denoise`, e.g. transfusion); {args.checkpoint} is a {loaded.family.name} one")
     for part in loaded.parts.values():
         part.to(device=args.device, dtype=dtype).eval()
     bundled_vocab = Path(args.checkpoint) / "tokenizer.json"  # a transformers directory carries its vocabulary
@@ -292,10 +300,40 @@ def describe_samples(json_path: str | Path, max_chars: int = 500) -> str:
     return "\n".join(lines)
 
 
+def given_checkpoint(argv: list[str]) -> str | None:
+    """The --checkpoint of a command line, read before the rest (its family decides the sampling options)."""
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("--checkpoint")
+    return early.parse_known_args(argv)[0].checkpoint
+
+
+def parse_arguments(argv: list[str]) -> tuple[argparse.Namespace, type[SamplingConfig]]:
+    """The options, parsed for the sampling settings of the checkpoint's family (read from its hparams, not its
+    weights); an option of another family's settings is refused in one sentence naming both."""
+    checkpoint = given_checkpoint(argv)
+    helping = any(arg in ("-h", "--help") for arg in argv)
+    if checkpoint is None or (helping and not Path(checkpoint).exists()):
+        return parser().parse_args(argv), SamplingConfig  # --help, or argparse's own error for a missing flag
+    family = checkpoint_family(checkpoint)
+    config_class = family.sampling_config
+    args, unknown = parser(config_class).parse_known_args(argv)
+    flags = {arg.partition("=")[0] for arg in unknown if arg.startswith("--")}
+    for name in BUILTIN_FAMILIES:
+        other = family_class(name).sampling_config
+        theirs = {f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(other)} - {
+            f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(config_class)}
+        for flag in sorted(flags & theirs):
+            raise ValueError(f"{flag} applies to {getattr(other, 'applies_to', f'a {name} checkpoint')}; "
+                             f"{checkpoint} is a {family.name} one")
+    if unknown:
+        parser(config_class).parse_args(argv)  # argparse's message for what no family knows (exit 2)
+    return args, config_class
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point for `python train.py generate ...`; bad input raises ValueError (exit code 2 in `train.py`)."""
-    args = parser().parse_args(argv)
-    paths = run(args)
+    args, config_class = parse_arguments(list(sys.argv[1:] if argv is None else argv))
+    paths = run(args, config_class)
     print(describe_samples(paths["json"]))
     print(f"generate: wrote {paths['html']} and {paths['json']}")
     return 0

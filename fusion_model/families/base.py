@@ -19,6 +19,7 @@ from torch import nn
 
 from fusion_model.config import FusionConfig
 from fusion_model.layers.keyed_random import keyed_generator, keyed_normal, keyed_uniform
+from fusion_model.sampling.config import SamplingConfig
 
 # What every packed batch carries (data_shards.stream); a family names any further entries in `batch_keys`.
 BASE_BATCH_KEYS = ("input_ids", "document_ids", "position_ids")
@@ -166,6 +167,9 @@ class Family(ABC):
     scores_image_positions: ClassVar[bool] = False
     # whether `train.py convert export` can write the checkpoint in transformers' Chameleon layout
     exportable: ClassVar[bool] = False
+    # the settings `generate` reads: SamplingConfig or a subclass with the family's own fields (`train.py generate`
+    # makes one option per field, from the checkpoint's family)
+    sampling_config: ClassVar[type[SamplingConfig]] = SamplingConfig
 
     def __init__(self, config: FusionConfig, options: Any = None, losses: LossSettings | None = None) -> None:
         if options is None:

@@ -38,6 +38,17 @@ class LoadedFamily:
                              "were made with")
 
 
+def checkpoint_family(path: str | os.PathLike) -> type[Family]:
+    """The family class a checkpoint names, read from its hparams without its weights (a transformers Chameleon
+    directory: the default family); what `train.py generate` builds its sampling options from."""
+    path = Path(path)
+    if path.is_dir():
+        return family_class(DEFAULT_FAMILY)
+    hparams = read_checkpoint(path, map_location="meta")["hyper_parameters"]
+    name, _ = resolve_family(hparams.get("family"), hparams.get("family_options"), hparams.get("late_fusion"))
+    return family_class(name)
+
+
 def load_family(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> LoadedFamily:
     """Any family's checkpoint: a `train.py fit` checkpoint (its hparams name the family, or the older
     `late_fusion`; none: chameleon), a `convert import` file, or a transformers Chameleon directory."""

@@ -1,4 +1,6 @@
-"""The decode loop: `generate_ids` (ids in, new ids out) over plain and speculative steps; `compiled_step`."""
+"""The decode loop, the one every family samples through: `generate_ids` (ids in, new ids out) over plain and
+speculative steps, handing whole images to a family that makes them in one piece (`spans.WholeImages`);
+`compiled_step`."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from fusion_model.sampling.feeder import CacheFeeder, round_up
 from fusion_model.sampling.logits import new_noise_buffer, redraw_noise
 from fusion_model.sampling.modality import ModalityRules, SeenTextTokens
 from fusion_model.sampling.protocol import DecodableModel, check_decodable
+from fusion_model.sampling.spans import Chunk, WholeImages
 from fusion_model.sampling.speculative import SpeculativeStep
 from fusion_model.sampling.step import PlainStep
 from fusion_model.sampling.streams import Streams, build_streams
@@ -32,6 +35,7 @@ def generate_ids(
     uncond_prompts: list[list[int]] | None = None,
     image_cond_prompts: list[list[int]] | None = None,
     stats: dict | None = None,
+    whole_images: WholeImages | None = None,
 ) -> list[list[int]]:
     """Continue each prompt (ids, usually starting `<s>`); returns the new ids of each.
 
@@ -44,6 +48,10 @@ def generate_ids(
     The model must satisfy protocol.DecodableModel (TypeError naming what it lacks otherwise). A model whose
     `supports_kv_cache` is False is sampled only with `use_kv_cache=False`: `use_kv_cache=True`, the default
     included, raises ValueError rather than silently taking the slow path.
+
+    whole_images: a family whose images are made in one piece (Transfusion's denoised latents) rather than code by
+    code: the loop samples through its feeder, and each image a prompt opens is the family's (spans.WholeImages);
+    such a family guides its images itself, so the loop runs the conditional rows alone.
     """
     check_decodable(model)
     check_compatible(model=model.config, vocab=vocab)
@@ -54,6 +62,9 @@ def generate_ids(
         )
     if not prompts:
         return []
+    if whole_images is not None and (config.compile or config.speculative_window):
+        raise ValueError("--compile and --speculative-window run a one-token decode step over image codes; images "
+                         "made whole by the model's family have neither: leave them out")
     if config.speculative_window and model.config.image_bidirectional:
         raise ValueError(
             "speculative_window needs causal attention inside images, but the model has image_bidirectional=True: "
@@ -61,7 +72,8 @@ def generate_ids(
         )
     device = next(model.parameters()).device
     context = int(model.config.max_seq_len)
-    streams = build_streams(vocab, prompts, config, context, uncond_prompts, image_cond_prompts)
+    streams = build_streams(vocab, prompts, config, context, uncond_prompts, image_cond_prompts,
+                            conditional_only=whole_images is not None)
     rules = ModalityRules(vocab, config, streams.prompts, streams.room(context, device), context)
     seen_text = SeenTextTokens(streams.prompts, rules.text_ok) if config.repetition_penalty != 1.0 else None
     generator = None
@@ -76,7 +88,7 @@ def generate_ids(
     was_training = model.training
     model.eval()
     try:
-        forwards = _decode(model, vocab, streams, rules, seen_text, config, generator, out)
+        forwards = _decode(model, vocab, streams, rules, seen_text, config, generator, out, whole_images)
     finally:
         model.train(was_training)
     if stats is not None:
@@ -95,33 +107,42 @@ def _decode(
     config: SamplingConfig,
     generator: torch.Generator | None,
     out: torch.Tensor,
+    whole_images: WholeImages | None = None,
 ) -> int:
     """The decode loop until every prompt is done; fills `out`, returns the forwards made (the prefill included).
 
     The prefill and the first token run eagerly. Every later forward is a `PlainStep` (one token per prompt) or,
     with speculative_window and while a prompt is inside an image or a clip, a `SpeculativeStep`; compiled when
     config.compile. Text decoding with speculative_window on gives the plain sampler's tokens for a seed: its
-    forwards are plain steps that draw the same noise.
+    forwards are plain steps that draw the same noise. With whole_images, a step after prompts took `<boi>` hands
+    their images to the family and feeds the spans it makes (`_write_whole_images`); image mode then takes `<boi>`
+    after the prefill instead of feeding it with the prompt, since the family makes the image from the prompt alone.
     """
     window = int(config.speculative_window)
     rows, boi_first = streams.rows, None
     one_span = config.mode in ("image", "video")  # one image (clip), its opener forced, the row stops at its end
     opener = vocab.bov_id if config.mode == "video" else vocab.boi_id
-    if one_span:
+    if one_span and whole_images is None:
         # image (video) mode forces <boi> (<bov>): it joins the prompt, so the prefill gives the first code's
         # distribution
         boi_first = ~rules.in_image & ~rules.done
         needs = boi_first.tolist()
         rows = [row + [opener] if needs[i % streams.n_prompts] else row for i, row in enumerate(rows)]
-    feeder = CacheFeeder(model, rows, vocab.pad_id, rules.steps, config.use_kv_cache, out.device,
-                         chunk=window + 1, cache_multiple=COMPILED_CACHE_MULTIPLE if config.compile else 1)
+    if whole_images is not None:
+        feeder = whole_images.feeder(rows, rules.steps, out.device)
+    else:
+        feeder = CacheFeeder(model, rows, vocab.pad_id, rules.steps, config.use_kv_cache, out.device,
+                             chunk=window + 1, cache_multiple=COMPILED_CACHE_MULTIPLE if config.compile else 1)
     noise = new_noise_buffer(config, streams.n_prompts, int(vocab.vocab_size), out.device)
     step = PlainStep(feeder, streams, rules, seen_text, config, noise, vocab.pad_id, out)
     if boi_first is not None:
         step.take(torch.full_like(step.token, opener), boi_first)
     was_in_image = rules.in_image.clone()
     logits = feeder.prefill()
-    step.choose(logits, redraw_noise(noise, generator))
+    if one_span and whole_images is not None:
+        step.force(opener)
+    else:
+        step.choose(logits, redraw_noise(noise, generator))
     speculative = SpeculativeStep(step, window) if window else None
     if speculative is not None and bool(was_in_image.any()):  # (no noise drawn otherwise: text keeps its tokens)
         speculative.draw_noise(generator)
@@ -137,7 +158,7 @@ def _decode(
         closer = vocab.eov_id if config.mode == "video" else vocab.eoi_id
         step.take(torch.full_like(step.token, closer), rules.in_image)
 
-    if one_span and speculative is None:
+    if one_span and speculative is None and whole_images is None:
         # the length is known (one read back here, none in the loop): a forward per code still to draw, then
         # <eoi>, which is forced, so it needs no forward
         left = int(torch.where(rules.done, 0, rules.n_codes - rules.codes_done).max())
@@ -151,7 +172,18 @@ def _decode(
     check_every = 1 if out.device.type == "cpu" else CHECK_DONE_EVERY
     # every forward commits at least one token for every unfinished prompt, so rules.steps bounds the forwards
     for index in range(1, rules.steps):
-        if speculative is not None:
+        if whole_images is not None:  # eager (no compile): `done` and the opened images are read every step
+            if rules.all_done:
+                break
+            opened = (~rules.done & (step.token == vocab.boi_id)).nonzero().flatten().tolist()
+            if opened:
+                logits = _write_whole_images(step, whole_images, opened, generator)
+                if logits is None:  # every prompt ended with its image (image mode): nothing to feed
+                    break
+                step.choose(logits, redraw_noise(noise, generator))
+                forwards += 1
+                continue
+        elif speculative is not None:
             live = ~rules.done
             # live prompts with more to sample than an image's forced <eoi>
             needs_forward = live & ~(rules.in_image & (rules.codes_done >= rules.n_codes))
@@ -172,6 +204,29 @@ def _decode(
         run(redraw_noise(noise, generator))
         forwards += 1
     return forwards
+
+
+def _write_whole_images(step: PlainStep, images: WholeImages, opened: list[int],
+                        generator: torch.Generator | None) -> torch.Tensor | None:
+    """The images the `opened` prompts just opened, made by the family: their spans' ids after `<boi>` are taken as
+    those prompts' tokens, and every prompt still going is fed its chunk in one forward (an opened one its span, the
+    others their last token); the logits after each, or None when no prompt is left to feed."""
+    rules, feeder = step.rules, step.feeder
+    tokens, live = step.token.tolist(), (~rules.done).tolist()
+    chunks: list[Chunk | None] = [([tokens[b]], None) if live[b] else None for b in range(len(live))]
+    made = images.make(feeder, opened, generator)
+    taking = torch.zeros_like(rules.done)
+    taking[opened] = True
+    for b, chunk in zip(opened, made):
+        chunks[b] = chunk
+    for k in range(1, len(made[0][0])):  # the rules count a span's positions one by one
+        token = torch.full_like(step.token, step.pad_id)
+        token[opened] = torch.tensor([chunk[0][k] for chunk in made], device=token.device)
+        step.take(token, taking)
+    still = (~rules.done).tolist()
+    if not any(still):
+        return None
+    return feeder.feed([chunk if still[b] else None for b, chunk in enumerate(chunks)])
 
 
 RECOMPILE_LIMIT = 64  # compiled decode steps one process may hold (models x shapes x settings)

@@ -76,6 +76,12 @@ class PlainStep:
             self.seen_text.add(token, take & ~self.rules.done)
         self.rules.advance(token, take)
 
+    def force(self, token_id: int) -> None:
+        """Take `token_id` for every prompt without a choice (image mode's `<boi>` before a whole image)."""
+        token = torch.full_like(self.token, token_id)
+        self.take(token, ~self.rules.done)
+        self.token.copy_(token)
+
     def choose(self, logits: torch.Tensor, noise: torch.Tensor | None) -> None:
         """Choose each prompt's next token from the rows' logits, record it and advance the rules."""
         token = choose_next_tokens(logits, self.n_prompts, self.rules, self.seen_text, self.config, noise,

@@ -53,21 +53,24 @@ def build_streams(
     context: int,
     uncond_prompts: list[list[int]] | None = None,
     image_cond_prompts: list[list[int]] | None = None,
+    conditional_only: bool = False,
 ) -> Streams:
     """The rows guidance needs, checked against the vocabulary and the context.
 
-    Default streams: u = `<s>`; img = `<s>` + the prompt's images.
+    Default streams: u = `<s>`; img = `<s>` + the prompt's images. conditional_only: the prompts' own rows alone (a
+    family that makes its images whole guides them itself; text is never guided).
     """
     n_prompts = len(prompts)
     rows = [list(map(int, p)) for p in prompts]
-    if config.three_stream or config.cfg_scale != 1.0 or uncond_prompts is not None:
+    guided = config.three_stream or config.cfg_scale != 1.0 or uncond_prompts is not None
+    if guided and not conditional_only:
         uncond = uncond_prompts if uncond_prompts is not None else [[vocab.bos_id] for _ in prompts]
         if len(uncond) != n_prompts:
             raise ValueError(
                 f"got {len(uncond)} unconditional prompts for {n_prompts} prompts; give one each"
             )
         rows += [list(map(int, p)) for p in uncond]
-    if config.three_stream:
+    if config.three_stream and not conditional_only:
         if image_cond_prompts is not None:
             img = image_cond_prompts
         else:

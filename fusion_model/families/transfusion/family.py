@@ -44,6 +44,7 @@ from fusion_model.families.transfusion.diffusion import CosineSchedule
 from fusion_model.families.transfusion.layout import DiffusionDraws, ImageLayout, image_layout, visible_from
 from fusion_model.families.transfusion.options import TransfusionOptions
 from fusion_model.families.transfusion.patches import TIMESTEP_FREQUENCIES, LatentPatches, TimestepEmbedding
+from fusion_model.families.transfusion.sampling import DiffusionSamplingConfig
 from fusion_model.families.transfusion.unet import UNetPatches
 from fusion_model.layers.loss import target_counts
 from fusion_model.model import FusionModel
@@ -57,6 +58,7 @@ class TransfusionFamily(Family):
     Options = TransfusionOptions
     batch_keys = ("token_keys", "image_latents")
     scores_image_positions = False
+    sampling_config = DiffusionSamplingConfig  # adds --denoising-steps to `train.py generate`
 
     def __init__(self, config: FusionConfig, options: Any = None, losses: LossSettings | None = None) -> None:
         super().__init__(config, options, losses)

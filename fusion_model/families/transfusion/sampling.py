@@ -1,22 +1,24 @@
-"""Sampling a Transfusion checkpoint: text token by token under the sampler's rules until `<boi>`, then an image by
-DDIM over the family's `denoise` with classifier-free guidance, its clean keys and values written once, `<eoi>`, and
-text again; images decoded by the continuous image tokenizer.
+"""Sampling a Transfusion checkpoint through the shared decode loop (`fusion_model.sampling.generate_ids`): text token
+by token under the sampler's rules until `<boi>`, then the image this module makes whole, by DDIM over the family's
+`denoise` with classifier-free guidance, its clean keys and values written once with `<eoi>`, and text again; images
+decoded by the continuous image tokenizer.
 
-Text follows the chameleon family's rules (`fusion_model.sampling`: ModalityRules, the repetition penalty, text
-temperature / top-k / top-p, max_new_tokens, the seed): `<boi>` is allowed only while `<boi>`, the image's P
-placeholders and `<eoi>` still fit, mode "image" forces one image after the prompt and stops at its `<eoi>`, mode
-"text" never opens one. An image is P = (h/k)(w/k) placeholder positions fed x_t and t at each of
-`denoising_steps` DDIM steps (eta 0, from pure noise at the schedule's last step); with `cfg_scale` != 1 each step
-runs the conditional rows and the unconditional ones (the image seeing only its `<boi>`: the branch caption dropout
-trains) in one forward and mixes them as u + s (c - u). With the KV cache the text before the image is computed
-once: each step feeds `<boi>` and the placeholders after a copy of the prefix's keys and values and truncates back;
-after the last step one forward writes `<boi>`, the clean x_0 at t = 0 and `<eoi>` into the cache (Transfusion's
-inference), and its `<eoi>` position gives the next text token. Without the cache (`use_kv_cache=False`, the
-reference) every forward recomputes the whole sequence. DDIM is deterministic given its starting noise, so the
-image temperature / top-k / top-p settings have no meaning here and are not read.
+What the loop does for every family applies to text here (ModalityRules, the repetition penalty, text temperature /
+top-k / top-p, max_new_tokens, the seed): `<boi>` is allowed only while `<boi>`, the image's P placeholders and
+`<eoi>` still fit, mode "image" forces one image after the prompt and stops at its `<eoi>`, mode "text" never opens
+one. This module is the loop's `WholeImages` (`DenoisedImages`) and its feeders (`CachedRows`, `FullRows`). An image
+is P = (h/k)(w/k) placeholder positions fed x_t and t at each of `denoising_steps` DDIM steps (eta 0, from pure noise
+at the schedule's last step); with `cfg_scale` != 1 each step runs the conditional rows and the unconditional ones
+(the image seeing only its `<boi>`: the branch caption dropout trains) in one forward and mixes them as u + s (c - u).
+With the KV cache the text before the image is computed once: each step feeds `<boi>` and the placeholders after a
+copy of the prefix's keys and values and truncates back; after the last step one forward writes `<boi>`, the clean
+x_0 at t = 0 and `<eoi>` into the cache (Transfusion's inference), and its `<eoi>` position gives the next text token.
+Without the cache (`use_kv_cache=False`, the reference) every forward recomputes the whole sequence. DDIM is
+deterministic given its starting noise, so the image temperature / top-k / top-p settings have no meaning here and
+are not read.
 
 This module reads the family only through its methods (`layout`, `predict`, `denoise`, `options`, `schedule`), so the
-family module can import it from `generate` without an import cycle.
+family module can import it without an import cycle.
 """
 
 from __future__ import annotations
@@ -24,25 +26,45 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from common.compat import check_compatible
 from fusion_model.families.transfusion.diffusion import guided_noise
 from fusion_model.sampling.config import SamplingConfig
-from fusion_model.sampling.denoising import denoising_steps
-from fusion_model.sampling.logits import new_noise_buffer, redraw_noise
-from fusion_model.sampling.modality import ModalityRules, SeenTextTokens
-from fusion_model.sampling.step import choose_next_tokens
+from fusion_model.sampling.decode import generate_ids
+from fusion_model.sampling.spans import Chunk
 from tokenizer.layout import patchify, unpatchify
 from tokenizer.vocab import LatentImage
 
-# A chunk fed to the decoder for one row: its ids and the clean latent patch at each position (zeros off images).
-Chunk = tuple[list[int], torch.Tensor]
+DEFAULT_DENOISING_STEPS = 50
 # predict(x_t (n, P, D), t) -> (conditional noise, unconditional noise or None): one DDIM step's denoiser
 Predictor = Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | None]]
+
+
+@dataclass
+class DiffusionSamplingConfig(SamplingConfig):
+    """SamplingConfig with `denoising_steps`: the DDIM steps per image (at most the schedule's training steps, which
+    the family checks); `cfg_scale` is the images' guidance. The transfusion family's `sampling_config`, so
+    `train.py generate` offers `--denoising-steps` for its checkpoints."""
+
+    denoising_steps: int = field(default=DEFAULT_DENOISING_STEPS, metadata={
+        "help": "DDIM steps per image of a checkpoint whose images come from a diffusion model (at most its "
+                "training steps; guidance: --cfg-scale)"})
+    # which checkpoints these settings are for, in a sentence refusing them elsewhere (`train.py generate`)
+    applies_to: ClassVar[str] = "a checkpoint whose images come from a diffusion model (the transfusion family)"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.denoising_steps < 1:
+            raise ValueError(f"SamplingConfig.denoising_steps={self.denoising_steps} must be >= 1 "
+                             "(--denoising-steps)")
+
+
+def denoising_steps(config: SamplingConfig) -> int:
+    """The DDIM steps per image `config` asks for (the default for a plain SamplingConfig)."""
+    return int(getattr(config, "denoising_steps", DEFAULT_DENOISING_STEPS))
 
 
 @dataclass
@@ -58,7 +80,8 @@ class TransfusionSamples:
 
 
 class _Decoder:
-    """The family's decoder over chunks of ids with clean latents at their placeholders (t = 0)."""
+    """The family's decoder over chunks of ids with clean latents at their placeholders (t = 0): the loop's feeder
+    (`fusion_model.sampling.spans.ChunkFeeder`)."""
 
     def __init__(self, family: Any, parts: Mapping[str, nn.Module], pad_id: int, boi_id: int) -> None:
         self.family, self.parts, self.pad_id, self.boi_id = family, parts, pad_id, boi_id
@@ -66,6 +89,16 @@ class _Decoder:
         self.device = next(self.model.parameters()).device
         self.latent_dim = family.options.latent_dim
         self.forwards = 0  # decoder forwards run, denoising ones included
+        self.image_writes = 0  # forwards that fed clean images (into the cache, or into the recomputed sequence)
+
+    def step(self, token: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """Feed token[b] to each live row b (the loop's plain step); (B, V) logits after each row's last token."""
+        return self.feed([([t], None) if alive else None for t, alive in zip(token.tolist(), live.tolist())])
+
+    def count_image_writes(self, chunks: list[Chunk | None]) -> None:
+        """Count a forward whose chunks write an image."""
+        placeholder = self.family.options.image_placeholder_id
+        self.image_writes += int(any(chunk is not None and placeholder in chunk[0] for chunk in chunks))
 
     def batch(self, rows: list[Chunk | None], starts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Rows right-padded to one length: (ids, documents (-1 = padding), positions from `starts`, latents,
@@ -77,7 +110,8 @@ class _Decoder:
         for b, row in enumerate(rows):
             if row is not None:
                 ids[b, : len(row[0])] = torch.tensor(row[0])
-                latents[b, : len(row[0])] = row[1]
+                if row[1] is not None:  # None: ids alone, no image positions
+                    latents[b, : len(row[0])] = row[1]
         real = torch.arange(width)[None, :] < lengths[:, None]
         documents = torch.where(real, 0, -1)
         positions = torch.where(real, starts.cpu()[:, None] + torch.arange(width), 0)
@@ -150,6 +184,7 @@ class CachedRows(_Decoder):
 
     def feed(self, chunks: list[Chunk | None]) -> torch.Tensor:
         """Append each row's chunk (None: padding) in one forward; (B, V) logits after each row's last token."""
+        self.count_image_writes(chunks)
         ids, documents, positions, latents, lengths = self.batch(chunks, self.next_pos)
         self._make_room(ids.shape[1])
         hidden = self.hidden(ids, documents, positions, latents, kv_cache=self.cache)
@@ -209,10 +244,12 @@ class FullRows(_Decoder):
 
     def feed(self, chunks: list[Chunk | None]) -> torch.Tensor:
         """Append the chunks and recompute every row; (B, V) logits after each row's last token."""
+        self.count_image_writes(chunks)
         for b, chunk in enumerate(chunks):
             if chunk is not None:
                 ids, latents = self.rows[b]
-                self.rows[b] = (ids + chunk[0], torch.cat([latents, chunk[1]]))
+                extra = chunk[1] if chunk[1] is not None else torch.zeros(len(chunk[0]), self.latent_dim)
+                self.rows[b] = (ids + chunk[0], torch.cat([latents, extra]))
         return self._logits()
 
     def denoiser(self, rows: list[int], guided: bool, patches: int) -> Predictor:
@@ -267,20 +304,66 @@ def check_settings(family: Any, config: SamplingConfig) -> int:
     return steps
 
 
+class DenoisedImages:
+    """The shared loop's whole images (`fusion_model.sampling.spans.WholeImages`) for a transfusion checkpoint: its
+    feeder over the prompts' ids and latents, and DDIM from pure noise for each image a prompt opens."""
+
+    def __init__(self, family: Any, parts: Mapping[str, nn.Module], vocab: Any, prompts: list[Chunk],
+                 config: SamplingConfig, steps: int, patch_grid: tuple[int, int] | None) -> None:
+        self.family, self.parts, self.vocab, self.prompts, self.config = family, parts, vocab, prompts, config
+        self.patches = 0 if patch_grid is None else patch_grid[0] * patch_grid[1]
+        self.latent_grid = None if patch_grid is None else (patch_grid[0] * family.options.patch_size,
+                                                            patch_grid[1] * family.options.patch_size)
+        self.timesteps = family.schedule.ddim_timesteps(steps).tolist() + [-1]
+        self.images: list[list[torch.Tensor]] = [[] for _ in prompts]
+        self.denoising_steps = 0
+        self.rows: CachedRows | FullRows | None = None
+
+    def feeder(self, rows: list[list[int]], steps: int, device: torch.device) -> CachedRows | FullRows:
+        """The prompts' feeder: one KV cache (config.use_kv_cache), or the full recompute."""
+        if rows != [list(ids) for ids, _ in self.prompts]:
+            raise ValueError("DenoisedImages: the loop's rows are not the prompts it was built for")
+        rows_class = CachedRows if self.config.use_kv_cache else FullRows
+        self.rows = rows_class(self.family, self.parts, self.vocab.pad_id, self.vocab.boi_id, self.prompts,
+                               max(steps, 1) + 1)
+        return self.rows
+
+    def make(self, feeder: CachedRows | FullRows, opened: list[int],
+             generator: torch.Generator | None) -> list[Chunk]:
+        """Each opened prompt's image by guided DDIM, as the chunk that writes it: `<boi>`, the clean patches at the
+        placeholders, `<eoi>`."""
+        clean = self.denoise(feeder, opened, generator).float().cpu()
+        chunks = []
+        for i, b in enumerate(opened):
+            self.images[b].append(unpatchify(clean[i : i + 1], self.family.options.patch_size, *self.latent_grid)[0])
+            latents = torch.zeros(self.patches + 2, feeder.latent_dim)
+            latents[1:-1] = clean[i]
+            chunks.append((feeder.image_chunk(self.patches) + [self.vocab.eoi_id], latents))
+        return chunks
+
+    def denoise(self, rows: CachedRows | FullRows, opened: list[int], generator: torch.Generator | None) -> torch.Tensor:
+        """DDIM from pure noise for the images the `opened` rows start: their clean latent patches (n, P, D)."""
+        schedule, scale = self.family.schedule, float(self.config.cfg_scale)
+        guided = scale != 1.0  # scale 1 is the conditional branch alone: its forward is not run
+        predict = rows.denoiser(opened, guided, self.patches)
+        x = torch.randn(len(opened), self.patches, rows.latent_dim, generator=generator, device=rows.device)
+        for t, t_prev in zip(self.timesteps[:-1], self.timesteps[1:]):
+            conditional, unconditional = predict(x, t)
+            noise = conditional if unconditional is None else guided_noise(conditional, unconditional, scale)
+            now, before = torch.tensor(t, device=rows.device), torch.tensor(t_prev, device=rows.device)
+            x = schedule.ddim_step(x, noise.to(x.dtype), now, before, self.family.options.x0_clip)
+            self.denoising_steps += 1
+        return x
+
+
 @torch.inference_mode()
 def sample(family: Any, parts: Mapping[str, nn.Module], vocab: Any, prompts: list[Chunk], config: SamplingConfig,
            latent_grid: tuple[int, int] | None) -> TransfusionSamples:
     """Continue each prompt (ids starting `<s>`, with the clean latent patch (D,) at each placeholder position):
-    text and images as the module docstring says. latent_grid (h, w): the latent size of a generated image (None:
-    text only)."""
+    text and images as the module docstring says, through the shared decode loop. latent_grid (h, w): the latent
+    size of a generated image (None: text only)."""
     steps = check_settings(family, config)
     options, model = family.options, parts["model"]
-    check_compatible(model=model.config, vocab=vocab)
-    context = int(model.config.max_seq_len)
-    for number, (ids, _) in enumerate(prompts):
-        if len(ids) >= context:
-            raise ValueError(f"prompt {number} has {len(ids)} tokens but the model's context is {context}: shorten "
-                             "it (or use a model with a longer max_seq_len)")
     k = options.patch_size
     patch_grid = None
     if latent_grid is not None:
@@ -291,117 +374,20 @@ def sample(family: Any, parts: Mapping[str, nn.Module], vocab: Any, prompts: lis
             raise ValueError(f"the image tokenizer's latent grid {tuple(latent_grid)} is not the {options.latent_grid} "
                              "the checkpoint's U-Net patch encoder was built for: use the tokenizer it was trained with")
         patch_grid = (latent_grid[0] // k, latent_grid[1] // k)
-    device = next(model.parameters()).device
-    rules_config = replace(config, image_grid=patch_grid)
-    id_lists = [list(ids) for ids, _ in prompts]
-    room = torch.tensor([context - len(ids) for ids in id_lists], device=device)
-    rules = ModalityRules(vocab, rules_config, id_lists, room, context)
-    sampler = _Sampler(family, parts, vocab, config, rules, steps, patch_grid, device)
-    rows_class = CachedRows if config.use_kv_cache else FullRows
-    rows = rows_class(family, parts, vocab.pad_id, vocab.boi_id, prompts, max(rules.steps, 1) + 1)
+    images = DenoisedImages(family, parts, vocab, prompts, config, steps, patch_grid)
     training = {name: part.training for name, part in parts.items()}
     family.set_mode(parts, False)
     try:
-        sampler.run(rows, id_lists)
+        # the rules count an image's patches as its codes: the patch grid is the image grid
+        ids = generate_ids(model, vocab, [list(ids) for ids, _ in prompts], replace(config, image_grid=patch_grid),
+                           whole_images=images)
     finally:
         for name, part in parts.items():
             part.train(training[name])
-    sampler.stats["forwards"] = rows.forwards
-    return TransfusionSamples(ids=sampler.new_ids, latents=sampler.images, stats=sampler.stats)
-
-
-class _Sampler:
-    """The loop of `sample`: choose text, denoise images, feed what was taken."""
-
-    def __init__(self, family: Any, parts: Mapping[str, nn.Module], vocab: Any, config: SamplingConfig,
-                 rules: ModalityRules, steps: int, patch_grid: tuple[int, int] | None, device: torch.device) -> None:
-        self.family, self.parts, self.vocab, self.config, self.rules = family, parts, vocab, config, rules
-        self.device = device
-        self.patches = 0 if patch_grid is None else patch_grid[0] * patch_grid[1]
-        self.latent_grid = None if patch_grid is None else (patch_grid[0] * family.options.patch_size,
-                                                            patch_grid[1] * family.options.patch_size)
-        self.timesteps = family.schedule.ddim_timesteps(steps).tolist() + [-1]
-        self.generator = None
-        if config.seed is not None:
-            self.generator = torch.Generator(device=device).manual_seed(int(config.seed))
-        n = len(rules.done)
-        self.new_ids: list[list[int]] = [[] for _ in range(n)]
-        self.images: list[list[torch.Tensor]] = [[] for _ in range(n)]
-        self.stats = {"forwards": 0, "denoising_steps": 0, "image_writes": 0}
-
-    def take(self, token: torch.Tensor, take: torch.Tensor, seen: SeenTextTokens | None) -> None:
-        """Commit `token` for the rows in `take` that are not done: record it, remember its text, advance."""
-        live = take & ~self.rules.done
-        for b, (alive, t) in enumerate(zip(live.tolist(), token.tolist())):
-            if alive:
-                self.new_ids[b].append(t)
-        if seen is not None:
-            seen.add(token, live)
-        self.rules.advance(token, take)
-
-    def run(self, rows: CachedRows | FullRows, prompts: list[list[int]]) -> None:
-        """Sample until every prompt is done."""
-        vocab, config, rules = self.vocab, self.config, self.rules
-        n = len(prompts)
-        seen = SeenTextTokens(prompts, rules.text_ok) if config.repetition_penalty != 1.0 else None
-        noise = new_noise_buffer(config, n, int(vocab.vocab_size), self.device)
-        logits = rows.prefill()
-        forced_boi = config.mode == "image"  # image mode opens its image without a choice
-        while True:
-            live = ~rules.done
-            if forced_boi:
-                token = torch.full((n,), vocab.boi_id, dtype=torch.long, device=self.device)
-                forced_boi = False
-            else:
-                token = choose_next_tokens(logits, n, rules, seen, config, redraw_noise(noise, self.generator),
-                                           vocab.pad_id)
-            self.take(token, live, seen)
-            tokens, alive = token.tolist(), live.tolist()
-            chunks: list[Chunk | None] = [([tokens[b]], torch.zeros(1, rows.latent_dim)) if alive[b] else None
-                                          for b in range(n)]
-            opened = [b for b in range(n) if alive[b] and tokens[b] == vocab.boi_id]
-            if opened:
-                clean = self.denoise(rows, opened).float().cpu()
-                for i, b in enumerate(opened):
-                    self.images[b].append(unpatchify(clean[i : i + 1], self.family.options.patch_size,
-                                                     *self.latent_grid)[0])
-                    latents = torch.zeros(self.patches + 2, rows.latent_dim)
-                    latents[1:-1] = clean[i]
-                    chunks[b] = (rows.image_chunk(self.patches) + [vocab.eoi_id], latents)
-                self.close_images(opened, token)
-            still = (~rules.done).tolist()
-            if not any(still):
-                return
-            chunks = [chunk if still[b] else None for b, chunk in enumerate(chunks)]
-            logits = rows.feed(chunks)
-            self.stats["image_writes"] += int(any(chunks[b] is not None for b in opened))
-
-    def close_images(self, opened: list[int], token: torch.Tensor) -> None:
-        """The `opened` rows take their image's placeholders and `<eoi>` (`<boi>` was allowed only where all of them
-        fit, so none of these rows finishes inside its image)."""
-        placeholder, eoi = self.family.options.image_placeholder_id, self.vocab.eoi_id
-        for b in opened:
-            self.new_ids[b] += [placeholder] * self.patches + [eoi]
-        mask = torch.zeros_like(self.rules.done)
-        mask[opened] = True
-        placeholders = torch.full_like(token, placeholder)
-        for _ in range(self.patches):  # the rules count an image's positions one by one
-            self.rules.advance(placeholders, mask)
-        self.rules.advance(torch.full_like(token, eoi), mask)
-
-    def denoise(self, rows: CachedRows | FullRows, opened: list[int]) -> torch.Tensor:
-        """DDIM from pure noise for the images the `opened` rows start: their clean latent patches (n, P, D)."""
-        schedule, scale = self.family.schedule, float(self.config.cfg_scale)
-        guided = scale != 1.0  # scale 1 is the conditional branch alone: its forward is not run
-        predict = rows.denoiser(opened, guided, self.patches)
-        x = torch.randn(len(opened), self.patches, rows.latent_dim, generator=self.generator, device=self.device)
-        for t, t_prev in zip(self.timesteps[:-1], self.timesteps[1:]):
-            conditional, unconditional = predict(x, t)
-            noise = conditional if unconditional is None else guided_noise(conditional, unconditional, scale)
-            now, before = torch.tensor(t, device=self.device), torch.tensor(t_prev, device=self.device)
-            x = schedule.ddim_step(x, noise.to(x.dtype), now, before, self.family.options.x0_clip)
-            self.stats["denoising_steps"] += 1
-        return x
+    rows = images.rows  # None when there was no prompt
+    stats = {"forwards": rows.forwards if rows else 0, "denoising_steps": images.denoising_steps,
+             "image_writes": rows.image_writes if rows else 0}
+    return TransfusionSamples(ids=ids, latents=images.images, stats=stats)
 
 
 def encode_prompt(segments: list[Any], vocab: Any, image_tokenizer: Any, patch_size: int,

@@ -16,8 +16,9 @@ from fusion_model.config import FusionConfig
 from fusion_model.families.transfusion import sampling as ts
 from fusion_model.families.transfusion.diffusion import guided_noise
 from fusion_model.families.transfusion.family import TransfusionFamily
+from fusion_model.families.transfusion.sampling import DiffusionSamplingConfig
 from fusion_model.sampling import SamplingConfig
-from fusion_model.sampling.denoising import DiffusionSamplingConfig
+from fusion_model.sampling import step as step_module  # the decode loop's token choice
 from tokenizer.image import ContinuousImageTokenizer, ImageTokenizer, ImageTokenizerConfig, to_pil
 from tokenizer.layout import patchify, unpatchify
 
@@ -187,7 +188,7 @@ def test_guidance_scale_one_is_the_conditional_branch_and_s_mixes_in_the_image_a
 def forcing_boi(schedule: dict[int, list[int]]):
     """choose_next_tokens, except that prompt b takes `<boi>` at its calls schedule[b] (where the rules allow it):
     so a random model opens images at chosen steps."""
-    real = ts.choose_next_tokens
+    real = step_module.choose_next_tokens
     count = [0]
 
     def choose(logits, n_prompts, rules, seen_text, config, noise, pad_id):
@@ -220,7 +221,7 @@ def test_the_cached_path_gives_the_full_recomputes_ids_and_latents(vocab, kl, fi
     for cache in (True, False):
         # prompt 0 opens an image at once and another after its first one and three tokens (which reads the first
         # one's keys and values), prompt 2 at its second token, prompt 1 (after its prompt image) at its fourth
-        monkeypatch.setattr(ts, "choose_next_tokens", forcing_boi({0: [0, 4], 1: [3], 2: [1]}))
+        monkeypatch.setattr(step_module, "choose_next_tokens", forcing_boi({0: [0, 4], 1: [3], 2: [1]}))
         config = DiffusionSamplingConfig(mode="interleaved", denoising_steps=4, cfg_scale=2.0, seed=7,
                                          max_new_tokens=2 * (p + 2) + 6, text_temperature=0.8, text_top_k=40,
                                          repetition_penalty=1.3, use_kv_cache=cache)
@@ -262,7 +263,7 @@ def test_the_prefix_is_computed_once_and_the_clean_image_written_once(vocab, kl,
         return real_embed(noisy, t)
 
     monkeypatch.setattr(parts["patches"], "embed", embedding)
-    monkeypatch.setattr(ts, "choose_next_tokens", forcing_boi({0: [0]}))
+    monkeypatch.setattr(step_module, "choose_next_tokens", forcing_boi({0: [0]}))
     prompt = text_prompts(vocab, ["the cat sat on"])
     length = len(prompt[0][0])
     text_after = 3

@@ -263,7 +263,7 @@ def test_denoise_at_step_t_is_the_training_forward_at_that_step():
 
 def test_the_samplers_cached_path_gives_the_full_recompute_with_the_unet(tiny_tokenizers):
     from fusion_model.families.transfusion import sampling as ts
-    from fusion_model.sampling.denoising import DiffusionSamplingConfig
+    from fusion_model.families.transfusion.sampling import DiffusionSamplingConfig
     from tokenizer.vocab import UnifiedVocab
 
     vocab = UnifiedVocab.load(tiny_tokenizers / "tokenizer.json")
