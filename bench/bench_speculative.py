@@ -69,10 +69,10 @@ def load_run(run_dir: Path):
 def build_smoke_run(directory: Path) -> Path:
     """An untrained tiny decoder, vocabulary, image tokenizer (4x4 codes) and classifier in the demo run layout."""
     from common.files import atomic_torch_save
-    from fusion_model.checkpoint import save_model
-    from fusion_model.config import FusionConfig
     from experiments.demo.classifier import DigitClassifier
     from experiments.demo.datasets import caption_texts
+    from fusion_model.checkpoint import save_model
+    from fusion_model.config import FusionConfig
     from fusion_model.model import FusionModel
     from tokenizer.image import ImageTokenizer
     from tokenizer.image.config import ImageTokenizerConfig
