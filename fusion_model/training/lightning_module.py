@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import lightning as L
@@ -21,7 +20,7 @@ from fusion_model.config import FusionConfig, FusionConfigDict
 from fusion_model.families import DEFAULT_FAMILY, family_class, resolve_family
 from fusion_model.families.base import LossSettings, Objective, ObjectiveContext
 from fusion_model.training.checkpointing import rng_state, set_rng_state
-from fusion_model.training.optim import WarmupDecay, build_adamw, build_scheduler
+from fusion_model.training.optim import OptimizerRecipe, build_scheduler
 
 NONFINITE_POLICIES = ("stop", "skip")
 
@@ -60,33 +59,6 @@ def align_batch_progress(trainer: L.Trainer) -> int:
     return shift
 
 
-def check_recipe(*, lr: float, betas: tuple[float, float], eps: float, weight_decay: float, min_lr_ratio: float,
-                 warmup_steps: int, decay_steps: int | None, objective_seed: int) -> None:
-    """Refuse recipe numbers that would train nothing or NaN (non-finite ones included), naming the option."""
-
-    def number(value: object) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-    def whole(value: object) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
-
-    rules = [("lr", number(lr) and lr > 0, "a finite number > 0"),
-             ("betas", len(tuple(betas)) == 2 and all(number(b) and 0 <= b < 1 for b in betas),
-              "two numbers in [0, 1)"),
-             ("eps", number(eps) and eps > 0, "a finite number > 0"),
-             ("weight_decay", number(weight_decay) and weight_decay >= 0, "a finite number >= 0"),
-             ("min_lr_ratio", number(min_lr_ratio) and 0 <= min_lr_ratio <= 1, "a number in [0, 1]"),
-             ("warmup_steps", whole(warmup_steps) and warmup_steps >= 0, "an integer >= 0"),
-             ("decay_steps", decay_steps is None or (whole(decay_steps) and decay_steps > 0),
-              "a positive integer or null"),
-             ("objective_seed", whole(objective_seed), "an integer")]
-    values = {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay, "min_lr_ratio": min_lr_ratio,
-              "warmup_steps": warmup_steps, "decay_steps": decay_steps, "objective_seed": objective_seed}
-    for name, ok, rule in rules:
-        if not ok:
-            raise ValueError(f"--model.{name}={values[name]!r} is invalid: it must be {rule}")
-
-
 class FusionLightningModule(L.LightningModule):
     """Pretraining of any model family (fusion_model.families) on packed batches (`input_ids`, `document_ids`,
     `position_ids`, each (B, T), plus what the family asks for).
@@ -99,9 +71,13 @@ class FusionLightningModule(L.LightningModule):
 
     def __init__(
         self,
+        # what is trained: the decoder, the family around it, where its weights start, the tokenizers its data used
         config: FusionConfigDict | FusionConfig | None = None,
         family: str = DEFAULT_FAMILY,
         family_options: dict | None = None,
+        init_weights: str | None = None,
+        tokenizers: dict[str, str] | None = None,
+        # the optimizer recipe (OptimizerRecipe)
         lr: float = 1e-4,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-5,
@@ -110,19 +86,21 @@ class FusionLightningModule(L.LightningModule):
         lr_schedule: str = "exponential",
         decay_steps: int | None = None,
         min_lr_ratio: float = 0.01,
+        # the loss settings every family receives (LossSettings), and the key of the objective's own randomness
         text_weight: float = 1.0,
         image_weight: float = 1.0,
+        loss_chunk_size: int = 4096,
+        objective_seed: int = 0,
+        # how a step runs
         activation_checkpointing: bool = False,
         compile: bool = False,
-        loss_chunk_size: int = 4096,
         nonfinite: str = "stop",
-        init_weights: str | None = None,
+        # the older spelling of a late-fusion family (translated by resolve_family; checkpoints store None)
         late_fusion: dict | None = None,
-        objective_seed: int = 0,
-        tokenizers: dict[str, str] | None = None,
     ) -> None:
         """`config` is the decoder, `family` what is trained around it and how; the rest is the recipe (defaults:
-        Chameleon's).
+        Chameleon's), in four groups: what is trained, the optimizer (`self.recipe`), the loss (`self.family.losses`)
+        and how a step runs. The arguments stay flat, as `--model.<name>` options and checkpoint hparams name them.
 
         config: a FusionConfig, or a dict naming a preset plus field overrides ({"preset": "small",
         "dropout": 0.1}; see FusionConfig.from_dict), or None for the tiny preset. hparams["config"] always
@@ -155,8 +133,11 @@ class FusionLightningModule(L.LightningModule):
             config = FusionConfig.from_dict(config)
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite={nonfinite!r}: choose one of {NONFINITE_POLICIES}")
-        check_recipe(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, min_lr_ratio=min_lr_ratio,
-                     warmup_steps=warmup_steps, decay_steps=decay_steps, objective_seed=objective_seed)
+        self.recipe = OptimizerRecipe(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      warmup_steps=warmup_steps, lr_schedule=lr_schedule, decay_steps=decay_steps,
+                                      min_lr_ratio=min_lr_ratio)
+        if not isinstance(objective_seed, int) or isinstance(objective_seed, bool):
+            raise ValueError(f"--model.objective_seed={objective_seed!r} is invalid: it must be an integer")
         config = dataclasses.replace(config, gradient_checkpointing=config.gradient_checkpointing or activation_checkpointing)
         family, family_options = resolve_family(family, family_options, late_fusion)
         # hparams hold only plain values (the config as a dict) so checkpoints load with weights_only=True
@@ -356,13 +337,9 @@ class FusionLightningModule(L.LightningModule):
         that re-creates the train dataloader and drops the loader state restored from a checkpoint
         (Lightning issue 20550), which would break exact resume.
         """
-        hp = self.hparams
-        horizon = hp.decay_steps or (self.trainer.max_steps if self.trainer.max_steps and self.trainer.max_steps > 0 else None)
-        if horizon is None:
-            raise ValueError("set trainer.max_steps or model.decay_steps: the lr schedule needs a horizon")
         # the module, not only the decoder: a late-fusion connector trains too (frozen parameters are left out)
-        optimizer = build_adamw(self, lr=hp.lr, betas=tuple(hp.betas), eps=hp.eps, weight_decay=hp.weight_decay)
-        schedule = WarmupDecay(min(hp.warmup_steps, max(horizon - 1, 0)), horizon, hp.lr_schedule, hp.min_lr_ratio)
+        optimizer = self.recipe.optimizer(self)
+        schedule = self.recipe.schedule(self.trainer.max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": build_scheduler(optimizer, schedule), "interval": "step"}}
 
     def on_train_start(self) -> None:

@@ -79,6 +79,54 @@ class WarmupDecay:
         return self.min_ratio + (1.0 - self.min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+@dataclass(frozen=True)
+class OptimizerRecipe:
+    """The optimizer half of a training recipe (`--model.lr`, `--model.betas`, ...; defaults: Chameleon's): AdamW with
+    decay on matrices only, and the warmup/decay schedule. Numbers that would train nothing or NaN are refused when
+    the recipe is made, naming the option."""
+
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-5
+    weight_decay: float = 0.1
+    warmup_steps: int = 4000
+    lr_schedule: str = "exponential"
+    decay_steps: int | None = None  # where the lr reaches min_lr_ratio x lr (None: trainer.max_steps)
+    min_lr_ratio: float = 0.01
+
+    def __post_init__(self) -> None:
+        def number(value: object) -> bool:
+            return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+        def whole(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        betas = self.betas
+        rules = [("lr", number(self.lr) and self.lr > 0, "a finite number > 0"),
+                 ("betas", len(tuple(betas)) == 2 and all(number(b) and 0 <= b < 1 for b in betas),
+                  "two numbers in [0, 1)"),
+                 ("eps", number(self.eps) and self.eps > 0, "a finite number > 0"),
+                 ("weight_decay", number(self.weight_decay) and self.weight_decay >= 0, "a finite number >= 0"),
+                 ("min_lr_ratio", number(self.min_lr_ratio) and 0 <= self.min_lr_ratio <= 1, "a number in [0, 1]"),
+                 ("warmup_steps", whole(self.warmup_steps) and self.warmup_steps >= 0, "an integer >= 0"),
+                 ("decay_steps", self.decay_steps is None or (whole(self.decay_steps) and self.decay_steps > 0),
+                  "a positive integer or null")]
+        for name, ok, rule in rules:
+            if not ok:
+                raise ValueError(f"--model.{name}={getattr(self, name)!r} is invalid: it must be {rule}")
+
+    def optimizer(self, module: nn.Module) -> torch.optim.AdamW:
+        """AdamW over the module's trainable parameters (frozen ones are left out)."""
+        return build_adamw(module, lr=self.lr, betas=tuple(self.betas), eps=self.eps, weight_decay=self.weight_decay)
+
+    def schedule(self, max_steps: int | None) -> WarmupDecay:
+        """The lr multiplier over `decay_steps`, or over `max_steps` when the recipe sets no horizon."""
+        horizon = self.decay_steps or (max_steps if max_steps and max_steps > 0 else None)
+        if horizon is None:
+            raise ValueError("set trainer.max_steps or model.decay_steps: the lr schedule needs a horizon")
+        return WarmupDecay(min(self.warmup_steps, max(horizon - 1, 0)), horizon, self.lr_schedule, self.min_lr_ratio)
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, schedule: WarmupDecay) -> torch.optim.lr_scheduler.LambdaLR:
     """A per-optimizer-step LambdaLR following `schedule`."""
     return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)

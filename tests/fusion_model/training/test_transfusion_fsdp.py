@@ -3,6 +3,7 @@ an image, take the losses, gradients and AdamW steps of one process on the whole
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 
@@ -14,10 +15,14 @@ from fusion_model.families.base import ObjectiveContext
 from fusion_model.families.transfusion.family import TransfusionFamily
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "families"))
 import fit_worker as fw  # noqa: E402
 import test_distributed as td  # noqa: E402  (module attributes only: its tests stay collected in their own file)
-import test_transfusion as tt  # noqa: E402  (its batch builders: doc, pack)
+
+# the transfusion family's tests, for their batch builders (doc, pack); loaded by path under a name of their own
+_FAMILY_TESTS = Path(__file__).resolve().parents[1] / "families" / "transfusion" / "test_family.py"
+_spec = importlib.util.spec_from_file_location("transfusion_family_tests", _FAMILY_TESTS)
+tt = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(tt)
 
 # caption dropout 0.5: some images train unconditionally (visible_from), so that path is sharded too
 OPTIONS = {**tt.OPTIONS, "caption_dropout": 0.5}
