@@ -17,8 +17,9 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,9 +28,10 @@ from common.files import atomic_write_json, atomic_write_text
 from experiments.demo.datasets import caption, parse_digit, to_model_images
 from experiments.demo.settings import FIT_CONFIG, DemoConfig, load_config
 from experiments.demo.stages import digits_for, load_image_tokenizer, load_vocab, require_outputs
+from fusion_model.families.late.family import BoundImages
 from fusion_model.families.late.model import LateFusionConfig, LateFusionModel, late_layout
+from fusion_model.sampling import SamplingConfig, generate_ids
 from tokenizer.layout import image_code_mask
-from tokenizer.vocab import text_mode_mask
 
 # the models compared: early fusion from scratch (as the demo), with its loss on text only (LLaVA's objective: the
 # images are read, never predicted), and from the blind language model the late-fusion recipes start from (the same
@@ -63,57 +65,47 @@ class ExperimentConfig:
 # ---------------------------------------------------------------- greedy captioning, one rule for every model
 
 
-def greedy_captions(next_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], prompts: torch.Tensor,
-                    prompt_features: torch.Tensor, vocab, *, max_new_tokens: int = 16,
-                    batch_size: int = 100) -> list[str]:
-    """Greedy text after each prompt (N, L) (early layout, features (N, L, C)); stops at </s>.
+# A decoder view for the sampler (fusion_model.sampling.protocol.DecodableModel) and the prompt rows it reads, from
+# a batch of early-layout prompts (N, L) and their per-position features (N, L, C).
+Decodable = Callable[[torch.Tensor, torch.Tensor], tuple[Any, list[list[int]]]]
 
-    `next_logits(ids, features)` returns the logits of the next token (B, vocab) for equal-length rows. Only the ids
-    text mode may emit are chosen (`tokenizer.vocab.text_mode_mask`, the sampler's rule: no image code, no <image>
-    placeholder, no <boi>/<eoi>), so these are the sampler's greedy captions.
-    """
-    banned = ~text_mode_mask(vocab)
-    stops = torch.tensor([vocab.eos_id, vocab.boi_id])
+
+def greedy_captions(decodable: Decodable, prompts: torch.Tensor, prompt_features: torch.Tensor, vocab, *,
+                    max_new_tokens: int = 16, batch_size: int = 100) -> list[str]:
+    """Greedy text after each prompt (N, L) (early layout, features (N, L, C)), through the sampler users run
+    (`generate_ids` in text mode at temperature 0: the ids text mode may emit, until </s>)."""
+    config = SamplingConfig(mode="text", text_temperature=0.0, max_new_tokens=max_new_tokens)
     texts: list[str] = []
     for begin in range(0, len(prompts), batch_size):
-        ids, features = prompts[begin : begin + batch_size], prompt_features[begin : begin + batch_size]
-        new = torch.zeros(len(ids), 0, dtype=torch.long)
-        done = torch.zeros(len(ids), dtype=torch.bool)
-        for _ in range(max_new_tokens):
-            grown = torch.cat([ids, new], dim=1)
-            grown_features = torch.cat([features, features.new_zeros(len(ids), new.shape[1], features.shape[-1])], 1)
-            logits = next_logits(grown, grown_features).masked_fill(banned, float("-inf"))
-            token = torch.where(done, vocab.eos_id, logits.argmax(-1))
-            new = torch.cat([new, token[:, None]], dim=1)
-            done |= torch.isin(token, stops)
-            if bool(done.all()):
-                break
-        for row in new.tolist():
-            cut = next((i for i, t in enumerate(row) if t in (vocab.eos_id, vocab.boi_id)), len(row))
-            texts.append(vocab.decode_text(row[:cut]).strip())
+        model, rows = decodable(prompts[begin : begin + batch_size], prompt_features[begin : begin + batch_size])
+        # Flamingo's text cross-attends to the images in every block: no KV cache (the sampler refuses one)
+        batch_config = config if model.supports_kv_cache else replace(config, use_kv_cache=False)
+        for row in generate_ids(model, vocab, rows, batch_config):
+            texts.append(vocab.decode_text([t for t in row if t != vocab.eos_id]).strip())
     return texts
 
 
-def early_next_logits(model) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """next_logits of an early-fusion decoder: the codes are its input."""
+def early_decodable(model) -> Decodable:
+    """An early-fusion decoder: the codes are its input."""
 
-    def step(ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-        return model.head(model.forward_hidden(ids)[:, -1]).float()
+    def rows(ids: torch.Tensor, features: torch.Tensor) -> tuple[Any, list[list[int]]]:
+        return model, ids.tolist()
 
-    return step
+    return rows
 
 
-def late_next_logits(late: LateFusionModel, config: LateFusionConfig, vocab) -> Callable:
-    """next_logits of a late-fusion model: the early-layout prompt is re-laid out as its connector reads it."""
+def late_decodable(late: LateFusionModel, config: LateFusionConfig, vocab) -> Decodable:
+    """A late-fusion model with the batch's images bound to it (as its family's `generate` binds them): the
+    early-layout prompts re-laid out as its connector reads them."""
 
-    def step(ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    def rows(ids: torch.Tensor, features: torch.Tensor) -> tuple[Any, list[list[int]]]:
         layout = late_layout(ids, torch.zeros_like(ids), features, config=config, image_offset=vocab.image_offset,
                              image_codes=vocab.image_codes, pad_id=vocab.pad_id)
-        hidden = late.hidden(layout["input_ids"], features=layout["features"], feature_mask=layout["feature_mask"],
-                             document_ids=layout["document_ids"], position_ids=layout["position_ids"])
-        return late.decoder.head(hidden[:, -1]).float()
+        real = layout["document_ids"] >= 0
+        prompts = [row[keep].tolist() for row, keep in zip(layout["input_ids"], real)]
+        return BoundImages(late, layout["features"], layout["feature_mask"]), prompts
 
-    return step
+    return rows
 
 
 def prompts_with_features(vocab, segments: list[list], features: list[list[torch.Tensor]],
@@ -346,15 +338,15 @@ def run(config: ExperimentConfig, log: Callable[[str], None] = print) -> dict:
     for kind in MODELS:
         module = modules[kind]
         if kind in EARLY:
-            next_logits, added, per_image = early_next_logits(module.model), 0, test_codes[0].numel()
+            decodable, added, per_image = early_decodable(module.model), 0, test_codes[0].numel()
         else:
             wrapped = module.family.late
-            next_logits = late_next_logits(wrapped, module.family.options, vocab)
+            decodable = late_decodable(wrapped, module.family.options, vocab)
             added, per_image = wrapped.parameters_added(), wrapped_cost(wrapped, test_codes[0].numel())
         with torch.no_grad():
             ids, feats = prompts_with_features(vocab, [[c] for c in test_codes], [[f] for f in test_features],
                                                feature_dim)
-            captions = greedy_captions(next_logits, ids, feats, vocab)
+            captions = greedy_captions(decodable, ids, feats, vocab)
             predicted = [parse_digit(t) for t in captions]
             accuracy = float(np.mean([p == int(y) for p, y in zip(predicted, digits.test_labels[:count])]))
             few_shot = {}
@@ -363,7 +355,7 @@ def run(config: ExperimentConfig, log: Callable[[str], None] = print) -> dict:
                 rng = np.random.default_rng(config.seed + shots)
                 ids, feats = few_shot_prompts(vocab, test_codes[:n_few], test_features[:n_few], train_codes,
                                               train_features, train_labels, shots, rng, feature_dim)
-                guesses = [parse_digit(t) for t in greedy_captions(next_logits, ids, feats, vocab, batch_size=50)]
+                guesses = [parse_digit(t) for t in greedy_captions(decodable, ids, feats, vocab, batch_size=50)]
                 few_shot[str(shots)] = float(np.mean([g == int(y) for g, y in zip(guesses, digits.test_labels[:n_few])]))
         train = runs[kind]
         stages = [runs["llava_stage1"], train] if kind == "llava" else [train]

@@ -171,58 +171,29 @@ def family_options(arm: str) -> dict:
 
 
 @torch.no_grad()
-def guided_ddim(family, parts, ids: torch.Tensor, x_start: torch.Tensor, cfg_scale: float,
-                ddim_steps: int) -> torch.Tensor:
-    """DDIM (eta 0) from x_start (B, T, C*k*k; noise at the placeholders of `ids`, zeros elsewhere) to clean
-    latents, the noise predictions guided: unconditional + scale x (conditional - unconditional), the unconditional
-    branch the one caption dropout trains (the image sees only its `<boi>` and itself)."""
-    from fusion_model.families.transfusion.diffusion import ddim_sample, guided_noise
-
-    n = len(ids)
-
-    def predict(x_t: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        if cfg_scale == 1.0:
-            return family.denoise(parts, ids, x_t, t)
-        both = family.denoise(parts, ids.repeat(2, 1), x_t.repeat(2, 1, 1), t,
-                              unconditional=torch.arange(2 * n) >= n)
-        return guided_noise(both[:n], both[n:], cfg_scale)
-
-    return ddim_sample(predict, x_start, family.schedule, ddim_steps, family.options.x0_clip)
-
-
-@torch.no_grad()
 def transfusion_images(loaded, vocab, tokenizer, targets: np.ndarray, *, cfg_scale: float, ddim_steps: int,
                        seed: int) -> tuple[torch.Tensor, int]:
-    """One image per target digit: `<s> caption <boi>` + placeholders, guided DDIM (eta 0) over `denoise`, the
-    latents decoded by the continuous bundle. Returns (images, rows whose latents were not finite, set to 0)."""
-    from tokenizer.layout import unpatchify
-    from tokenizer.vocab import LatentImage
+    """One image per target digit through the sampler users run (the shared loop in image mode, guided DDIM over
+    the family's `denoise`): `<s> caption`, then the forced `<boi>` and the denoised image, decoded by the continuous
+    bundle. Returns (images, rows whose latents were not finite, set to 0)."""
+    from fusion_model.families.transfusion.sampling import DiffusionSamplingConfig, encode_prompt, sample
 
     family, parts = loaded.family, loaded.parts
-    k = family.options.patch_size
-    h, w = tokenizer.grid_shape
-    patches = (h // k) * (w // k)
-    generator = torch.Generator().manual_seed(seed)
-    bad = 0
+    options = family.options
     order = np.argsort(targets, kind="stable")
     out = [None] * len(targets)
-    for digit in np.unique(targets):  # one batch per caption: identical prompts, no padding
+    bad = 0
+    for digit in np.unique(targets):  # one batch per caption: identical prompts, each its own noise
         rows = order[targets[order] == digit]
-        ids = vocab.encode_document([caption_prompt(int(digit)), LatentImage(patches)], bos=True, eos=False)
-        if ids[-1] != vocab.eoi_id:
-            raise ValueError("the vocabulary did not close the latent image with <eoi>")
-        ids = torch.tensor(ids[:-1]).repeat(len(rows), 1)
-        is_patch = ids == family.options.image_placeholder_id
-        x = torch.zeros(*ids.shape, family.options.latent_dim)
-        x[is_patch] = torch.randn(int(is_patch.sum()), family.options.latent_dim, generator=generator)
-        n = len(rows)
-        x = guided_ddim(family, parts, ids, x, cfg_scale, ddim_steps)
-        latents = x[is_patch].view(n, patches, -1)
+        prompt = encode_prompt([caption_prompt(int(digit))], vocab, None, options.patch_size, options.latent_dim)
+        config = DiffusionSamplingConfig(mode="image", denoising_steps=ddim_steps, cfg_scale=cfg_scale,
+                                         seed=seed + int(digit))
+        result = sample(family, parts, vocab, [prompt] * len(rows), config, tuple(tokenizer.grid_shape))
+        latents = torch.stack([images[0] for images in result.latents])  # (n, C, h, w)
         finite = torch.isfinite(latents).flatten(1).all(1)
         bad += int((~finite).sum())
-        latents = torch.where(finite[:, None, None], latents, torch.zeros_like(latents))
-        decoded = tokenizer.decode(unpatchify(latents, k, h, w))
-        for r, image in zip(rows, decoded):
+        latents = torch.where(finite[:, None, None, None], latents, torch.zeros_like(latents))
+        for r, image in zip(rows, tokenizer.decode(latents)):
             out[r] = image
     return torch.stack(out), bad
 
@@ -230,43 +201,27 @@ def transfusion_images(loaded, vocab, tokenizer, targets: np.ndarray, *, cfg_sca
 @torch.no_grad()
 def transfusion_understanding(loaded, vocab, tokenizer, images: torch.Tensor, labels: np.ndarray, *,
                               max_new_tokens: int = 16, batch_size: int = 250) -> dict:
-    """Greedy captions of `<s> <boi>` + the image's clean latents at step 0 + `<eoi>` (text ids only, as the
-    demo's text mode allows); scored like `evaluate.understanding`."""
-    from fusion_model.families.transfusion.layout import image_layout
+    """Greedy captions of `<s> <boi>` + the image's clean latents + `<eoi>`, through the sampler users run (the shared
+    loop in text mode at temperature 0); scored like `evaluate.understanding`."""
+    from fusion_model.families.transfusion.sampling import DiffusionSamplingConfig, sample
     from tokenizer.layout import patchify
-    from tokenizer.vocab import LatentImage, text_mode_mask
+    from tokenizer.vocab import LatentImage
 
     family, parts = loaded.family, loaded.parts
     options = family.options
     latents = patchify(tokenizer.encode(images), options.patch_size)  # (N, P, D)
-    prompt = torch.tensor(vocab.encode_document([LatentImage(latents.shape[1])], bos=True, eos=False))
-    allowed = text_mode_mask(vocab)
-    head = parts["model"].head.weight
+    prompt = vocab.encode_document([LatentImage(latents.shape[1])], bos=True, eos=False)
+    is_patch = torch.tensor(prompt) == options.image_placeholder_id
+    config = DiffusionSamplingConfig(mode="text", text_temperature=0.0, max_new_tokens=max_new_tokens)
     texts: list[str] = []
     for start in range(0, len(latents), batch_size):
-        chunk = latents[start:start + batch_size]
-        n = len(chunk)
-        ids = prompt.repeat(n, 1)
-        values = torch.zeros(n, ids.shape[1], options.latent_dim)
-        values[ids == options.image_placeholder_id] = chunk.reshape(-1, options.latent_dim)
-        new = torch.empty(n, 0, dtype=torch.long)
-        done = torch.zeros(n, dtype=torch.bool)
-        for _ in range(max_new_tokens):
-            documents = torch.zeros_like(ids)
-            layout = image_layout(ids, documents, options.image_placeholder_id)
-            steps = torch.zeros(int(layout.is_patch.sum()), dtype=torch.long)
-            hidden, _ = family.predict(parts, ids, layout, values[layout.is_patch], steps, document_ids=documents)
-            logits = (hidden[:, -1].float() @ head.float().T).masked_fill(~allowed, float("-inf"))
-            token = torch.where(done, torch.full((n,), vocab.eos_id), logits.argmax(-1))
-            new = torch.cat([new, token[:, None]], 1)
-            done |= token == vocab.eos_id
-            ids = torch.cat([ids, token[:, None]], 1)
-            values = torch.cat([values, torch.zeros(n, 1, options.latent_dim)], 1)
-            if bool(done.all()):
-                break
-        for row in new.tolist():
-            row = row[:row.index(vocab.eos_id)] if vocab.eos_id in row else row
-            texts.append(vocab.decode_text(row).strip())
+        chunks = []
+        for image in latents[start:start + batch_size]:
+            values = torch.zeros(len(prompt), options.latent_dim)
+            values[is_patch] = image.float()
+            chunks.append((list(prompt), values))
+        for row in sample(family, parts, vocab, chunks, config, None).ids:
+            texts.append(vocab.decode_text([t for t in row if t != vocab.eos_id]).strip())
     predicted = [parse_digit(t) for t in texts]
     correct = [p == int(y) for p, y in zip(predicted, labels)]
     return {"texts": texts, "accuracy": float(np.mean(correct)), "count": len(correct)}
