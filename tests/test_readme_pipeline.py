@@ -26,7 +26,7 @@ SMALL = {
     "generate": ["--num-samples", "1"],
 }
 SKIPPED = {"convert import": "needs a transformers Chameleon folder (HF_DIR); tests/fusion_model/test_hf_export.py",
-           "experiment": "needs a finished demo; tests/fusion_model/demo/test_demo.py (fusion) and test_mot_experiment.py (mot) run them on a smoke demo"}
+           "experiment": "needs a finished demo; tests/experiments/ runs them on a smoke demo"}
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (40, 80, 220), "yellow": (230, 210, 40)}
 
 
