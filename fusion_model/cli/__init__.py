@@ -28,7 +28,9 @@ BAD_INPUT_ERRORS: tuple[type[BaseException], ...] = (
 
 # The LightningCLI commands keep their generated `--section.option` names and also take the shared flags;
 # each maps a shared flag onto its own option (see `translate_shared_flags`).
-FIT_SHARED_FLAGS = {"--checkpoint": "--ckpt_path", "--vocab": "--data.vocab", "--image-tokenizer": "--data.image_tokenizer"}
+# --media-tokenizer (an image or video tokenizer bundle) is also spelled --image-tokenizer, its older name
+FIT_SHARED_FLAGS = {"--checkpoint": "--ckpt_path", "--vocab": "--data.vocab", "--media-tokenizer": "--data.image_tokenizer",
+                    "--image-tokenizer": "--data.image_tokenizer"}
 TOKENIZER_SHARED_FLAGS = {"--checkpoint": "--ckpt_path"}
 
 
@@ -56,7 +58,8 @@ def usage(commands: dict[str, tuple[str, str]] | None = None) -> str:
     lines += [
         "",
         "Run `python train.py <command> --help` for the options of a command. The same things have the same",
-        "flags everywhere: --checkpoint, --vocab (tokenizer.json), --image-tokenizer (bundle directory), --out.",
+        "flags everywhere: --checkpoint, --vocab (tokenizer.json), --media-tokenizer (an image or video tokenizer",
+        "bundle directory; also spelled --image-tokenizer), --out.",
         "Bad input exits with code 2 and one line saying what to change.",
     ]
     return "\n".join(lines)

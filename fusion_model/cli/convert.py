@@ -133,7 +133,7 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--vocab", help="the unified tokenizer.json: names the vocabulary and adds the tokenizer files, "
                                      "generation_config.json (the text-mode rule) and, with --image-tokenizer, the "
                                      "processor files")
-    exp.add_argument("--image-tokenizer",
+    exp.add_argument("--media-tokenizer", "--image-tokenizer", dest="image_tokenizer", metavar="BUNDLE",
                      help="image tokenizer directory: a Chameleon-layout one becomes model.vqmodel, another "
                           "(the 'improved' quantizer) is copied to OUT/image_tokenizer/; sets the processor's "
                           "image size and image_seq_length")

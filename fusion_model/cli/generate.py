@@ -142,7 +142,7 @@ def parser(config_class: type[SamplingConfig] = SamplingConfig) -> argparse.Argu
                          "or a transformers Chameleon directory (from `train.py convert export`)")
     io.add_argument("--vocab", help="the unified tokenizer.json the model was trained with "
                                     "(default: tokenizer.json inside a transformers checkpoint directory)")
-    io.add_argument("--image-tokenizer", help="image tokenizer directory (save_pretrained / `train.py tokenizer "
+    io.add_argument("--media-tokenizer", "--image-tokenizer", dest="image_tokenizer", metavar="BUNDLE", help="image or video tokenizer bundle (save_pretrained / `train.py tokenizer "
                                               "export`); needed for image prompts and image output; a video "
                                               "tokenizer's bundle also sizes and decodes clips (--mode video)")
     io.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device")

@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("--out", required=True, metavar="TOKENS_DIR",
                      help="token shard directory; a rerun skips the shards already finished there")
     tok.add_argument("--vocab", required=True, help="unified vocabulary tokenizer.json (from `train.py vocab`)")
-    tok.add_argument("--image-tokenizer", default=None,
+    tok.add_argument("--media-tokenizer", "--image-tokenizer", dest="image_tokenizer", metavar="BUNDLE", default=None,
                      help="trained image tokenizer directory (from `train.py tokenizer`); omit for text-only data. "
                           "Raw shards with clips need a video tokenizer bundle (kind video): each clip becomes <bov> "
                           "t*h*w codes <eov>; a clip longer than its clip_frames keeps its first clip_frames frames, "

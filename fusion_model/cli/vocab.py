@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"image codebook size: one id per code (default: the --image-tokenizer's codebook, else {DEFAULT_IMAGE_CODES})",
     )
     parser.add_argument(
-        "--image-tokenizer", default=None, metavar="BUNDLE",
+        "--media-tokenizer", "--image-tokenizer", dest="image_tokenizer", default=None, metavar="BUNDLE",
         help="image tokenizer bundle directory (from `train.py tokenizer fit`): the image codes are its codebook",
     )
     parser.add_argument(

@@ -51,6 +51,17 @@ def test_the_same_things_have_the_same_flags(command, flags):
     assert flags <= _options(_parsers()[command])
 
 
+@pytest.mark.parametrize("command", ["generate", "convert export", "shards tokenize", "vocab"])
+def test_the_media_tokenizer_flag_is_also_spelled_image_tokenizer(command):
+    parser = _parsers()[command]
+    required = ["--checkpoint", "c.ckpt", "--out", "o"] if command in ("generate", "convert export") else []
+    required = [*required, "raw", "--out", "o", "--vocab", "v.json"] if command == "shards tokenize" else required
+    required = ["--out", "o"] if command == "vocab" else required
+    for spelling in ("--media-tokenizer", "--image-tokenizer"):
+        assert parser.parse_args([*required, spelling, "BUNDLE"]).image_tokenizer == "BUNDLE"
+    assert cli.translate_shared_flags(["--media-tokenizer", "B"], cli.FIT_SHARED_FLAGS) == ["--data.image_tokenizer", "B"]
+
+
 def test_translate_shared_flags_maps_both_spellings_and_leaves_everything_else():
     argv = ["--checkpoint", "a.ckpt", "--vocab=v.json", "--data.vocab_x", "--image-tokenizer", "B", "--", "--vocab"]
     assert cli.translate_shared_flags(argv, cli.FIT_SHARED_FLAGS) == [
