@@ -147,7 +147,7 @@ def test_greedy_captions_of_the_early_model_are_the_samplers_greedy_captions(dem
         sampled = evaluate.understanding(model, vocab, codes, digits.test_labels[:24])["texts"]
         ids, per_position = experiment.prompts_with_features(vocab, [[c] for c in codes], [[f] for f in features],
                                                              features.shape[-1])
-        greedy = experiment.greedy_captions(experiment.early_next_logits(model), ids, per_position, vocab)
+        greedy = experiment.greedy_captions(experiment.early_decodable(model), ids, per_position, vocab)
     assert greedy == sampled
 
 
