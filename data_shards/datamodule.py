@@ -96,9 +96,9 @@ class FusionDataModule(L.LightningDataModule):
 
             vocab = UnifiedVocab.load(self.vocab)
         if self.image_tokenizer:
-            from tokenizer.image import load_image_tokenizer
+            from tokenizer.bundle import load_media_tokenizer
 
-            fingerprint = load_image_tokenizer(self.image_tokenizer).fingerprint()
+            fingerprint = load_media_tokenizer(self.image_tokenizer).fingerprint()
         check_compatible(model=config, vocab=vocab, image_tokenizer_fingerprint=fingerprint, shards=train_manifest,
                          shards_dir=self.train_dir, val_shards=val_manifest, seq_len=self.seq_len, training=True)
         self._checked = config

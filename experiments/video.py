@@ -348,7 +348,7 @@ def encode_all(video_tokenizer, clips: np.ndarray, batch: int = 64) -> torch.Ten
 
 def run(config: VideoExperimentConfig, log: Callable[[str], None] = print) -> dict:
     """The whole experiment; returns (and writes) the results."""
-    from tokenizer.image import load_image_tokenizer
+    from tokenizer.bundle import load_media_tokenizer
     from tokenizer.vocab import UnifiedVocab
 
     if config.size not in SIZES:
@@ -377,7 +377,7 @@ def run(config: VideoExperimentConfig, log: Callable[[str], None] = print) -> di
 
     log("[2/6] tokenizers: video (train.py tokenizer fit) and per-frame 2-D VQ at the same codes per clip")
     bundle = train_video_tokenizer(config, train_dir, out_dir / "tokenizer_run")
-    video_tokenizer = load_image_tokenizer(bundle).eval()
+    video_tokenizer = load_media_tokenizer(bundle).eval()
     # fusion_experiment.fit reads the vocabulary and tokenizer at the demo's places: <out>/vocab, <out>/tokenizer
     if (out_dir / "tokenizer" / "model").exists():
         shutil.rmtree(out_dir / "tokenizer" / "model")

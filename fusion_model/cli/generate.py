@@ -228,10 +228,10 @@ def run(args: argparse.Namespace, config_class: type[SamplingConfig] = SamplingC
     vocab = UnifiedVocab.load(vocab_path)
     image_tokenizer = None
     if args.image_tokenizer:
-        from tokenizer.image import load_image_tokenizer
+        from tokenizer.bundle import load_media_tokenizer
 
         # either kind of bundle: codes (VQ) or continuous latents, as the checkpoint's family reads them
-        image_tokenizer = load_image_tokenizer(args.image_tokenizer, map_location=args.device)
+        image_tokenizer = load_media_tokenizer(args.image_tokenizer, map_location=args.device)
     loaded.check_tokenizers(vocab, image_tokenizer, where=f"--checkpoint {args.checkpoint}")
     if config.compile:  # otherwise the first batch is silent for the length of the compile
         print("generate: compiling the decode step (once per batch shape and settings; 9-26 s on 2 CPU cores)",

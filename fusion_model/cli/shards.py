@@ -203,10 +203,10 @@ def _tokenize(args: argparse.Namespace) -> int:
     vocab = UnifiedVocab.load(args.vocab)
     image_tokenizer = None
     if args.image_tokenizer:
-        from tokenizer.image import load_image_tokenizer
+        from tokenizer.bundle import load_media_tokenizer
 
         # VQ (codes) or continuous (latents, Transfusion's): pretokenize asks the bundle its kind
-        image_tokenizer = load_image_tokenizer(args.image_tokenizer, map_location=device).eval()
+        image_tokenizer = load_media_tokenizer(args.image_tokenizer, map_location=device).eval()
     manifest = pretokenize(args.raw, args.out, vocab, image_tokenizer, flip_probability=args.flip_probability,
                            seed=args.seed, num_workers=workers, batch_size=args.batch_size,
                            progress=not args.no_progress, features=args.features, rank=rank, world_size=world_size,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fusion_model.cli.tokenizer import is_video_run, main
-from tokenizer.image import load_image_tokenizer
+from tokenizer.bundle import load_media_tokenizer
 from tokenizer.video.lightning import ClipFiles, VideoDataModule, fit_video_tokenizer
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs" / "tokenizer"
@@ -44,7 +44,7 @@ def test_cli_fit_on_clips_logs_frame_psnr_and_usage_and_writes_a_video_bundle(tm
                  "--trainer.max_steps", "3", "--trainer.val_check_interval", "3", "--trainer.log_every_n_steps", "1",
                  "--trainer.enable_progress_bar", "false", "--trainer.accelerator", "cpu",
                  "--trainer.default_root_dir", str(root)]) == 0
-    tokenizer = load_image_tokenizer(root / "tokenizer")
+    tokenizer = load_media_tokenizer(root / "tokenizer")
     assert tokenizer.kind == "video" and tokenizer.video_grid == (2, 8, 8) and tokenizer.grid_shape == (8, 8)
     assert tokenizer.config.name == "video-demo-32"
     assert tokenizer.encode_clips(moving_squares(1)).shape == (1, 2, 8, 8)
@@ -55,7 +55,7 @@ def test_cli_fit_on_clips_logs_frame_psnr_and_usage_and_writes_a_video_bundle(tm
     assert list((root / "tb" / "version_0" / "images").glob("*.png"))
     checkpoint = next(root.rglob("*.ckpt"))
     assert main(["export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "exported")]) == 0
-    assert load_image_tokenizer(tmp_path / "exported").fingerprint() == tokenizer.fingerprint()
+    assert load_media_tokenizer(tmp_path / "exported").fingerprint() == tokenizer.fingerprint()
 
 
 def test_video_runs_are_recognised_by_their_preset(tmp_path):

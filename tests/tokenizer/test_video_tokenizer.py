@@ -6,6 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
+from tokenizer.bundle import load_media_tokenizer
 from tokenizer.image import ImageTokenizer, ImageTokenizerConfig, load_image_tokenizer
 from tokenizer.video import VIDEO_PRESETS, VideoTokenizer, VideoTokenizerConfig
 from tokenizer.video.video_tokenizer import read_video_bundle_config
@@ -168,13 +169,15 @@ def test_bundle_round_trip_and_the_shared_loader(tokenizer, tmp_path):
     assert loaded.config == tokenizer.config
     clips = random_clips(1, 8)
     assert torch.equal(loaded.encode_clips(clips), tokenizer.encode_clips(clips))
-    shared = load_image_tokenizer(out)  # the one loader of visual tokenizer bundles dispatches on config.json
+    shared = load_media_tokenizer(out)  # the one loader of every media bundle dispatches on config.json
     assert isinstance(shared, VideoTokenizer) and shared.kind == "video"
     assert shared.fingerprint() == tokenizer.fingerprint()
     image_bundle = ImageTokenizer(ImageTokenizerConfig(image_size=16, base_channels=8, channel_multiplier=(1, 2),
                                                        num_res_blocks=1, latent_channels=8, norm_groups=4,
                                                        codebook_size=16)).save_pretrained(tmp_path / "image")
-    assert load_image_tokenizer(image_bundle).kind == "vq"
+    assert load_media_tokenizer(image_bundle).kind == load_image_tokenizer(image_bundle).kind == "vq"
+    with pytest.raises(ValueError, match="holds a video tokenizer bundle.*load_media_tokenizer"):
+        load_image_tokenizer(out)  # the image-only loader names the one that loads this bundle
     with pytest.raises(ValueError, match="image tokenizer bundle, not a video one"):
         read_video_bundle_config(image_bundle)
     with pytest.raises(FileNotFoundError, match="model.safetensors"):

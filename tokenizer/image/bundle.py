@@ -1,5 +1,5 @@
-"""One entry point for both kinds of image tokenizer: build one from a config, load a bundle of either kind (or a
-video tokenizer's bundle, which also encodes images)."""
+"""One entry point for both kinds of image tokenizer: build one from a config, load a bundle of either kind
+(`tokenizer.bundle.load_media_tokenizer` also loads video bundles)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 from tokenizer.image.config import ImageTokenizerConfig
 from tokenizer.image.continuous import ContinuousImageTokenizer
 from tokenizer.image.image_tokenizer import ImageTokenizer, read_bundle_config
+from tokenizer.video.config import is_video_config
 
 AnyImageTokenizer = ImageTokenizer | ContinuousImageTokenizer
 BUNDLE_CLASSES: dict[str, type[ImageTokenizer] | type[ContinuousImageTokenizer]] = {
@@ -26,14 +27,12 @@ def build_image_tokenizer(config: ImageTokenizerConfig) -> AnyImageTokenizer:
 
 
 def load_image_tokenizer(directory: str | os.PathLike, map_location: str | torch.device = "cpu") -> AnyImageTokenizer:
-    """The bundle in `directory`, VQ, continuous or video (check `.kind`: "vq", "continuous", "video"), in eval mode."""
+    """The image bundle in `directory`, VQ or continuous (check `.kind`: "vq", "continuous"), in eval mode."""
     config_path = Path(directory) / "config.json"
-    if config_path.is_file():
-        from tokenizer.video.config import is_video_config
-
-        if is_video_config(json.loads(config_path.read_text())):
-            from tokenizer.video.video_tokenizer import VideoTokenizer
-
-            return VideoTokenizer.from_pretrained(directory, map_location=map_location)
+    if config_path.is_file() and is_video_config(json.loads(config_path.read_text())):
+        raise ValueError(
+            f"{directory} holds a video tokenizer bundle, not an image one: load it with "
+            "tokenizer.bundle.load_media_tokenizer, which loads every kind"
+        )
     config = read_bundle_config(directory)
     return BUNDLE_CLASSES[config.bottleneck].from_pretrained(directory, map_location=map_location)

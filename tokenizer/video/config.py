@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 QUANTIZER_MODES = ("chameleon", "improved")
-# the key that tells a video bundle's config.json from an image one (tokenizer.image.bundle dispatches on it)
+# the key that tells a video bundle's config.json from an image one (tokenizer.bundle.load_media_tokenizer dispatches on it)
 VIDEO_CONFIG_KEY = "temporal_downsample_factor"
 
 

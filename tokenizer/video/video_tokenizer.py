@@ -48,7 +48,8 @@ def read_video_bundle_config(directory: str | os.PathLike) -> VideoTokenizerConf
     if not is_video_config(data):
         raise ValueError(
             f"{directory} is an image tokenizer bundle, not a video one; load it with "
-            "tokenizer.image.load_image_tokenizer, or pass a bundle trained with a video- preset"
+            "tokenizer.image.load_image_tokenizer (tokenizer.bundle.load_media_tokenizer loads either kind), or pass a bundle "
+            "trained with a video- preset"
         )
     return VideoTokenizerConfig.from_dict(data)
 

@@ -300,9 +300,9 @@ def test_clips_are_written_as_gif_mp4_and_a_frame_strip_and_listed(tmp_path):
 
 def test_mode_video_needs_a_video_tokenizer(files):
     from fusion_model.sampling.generate import video_grid_setting
-    from tokenizer.image import load_image_tokenizer
+    from tokenizer.bundle import load_media_tokenizer
 
-    image_tokenizer = load_image_tokenizer(files / "vq")
+    image_tokenizer = load_media_tokenizer(files / "vq")
     with pytest.raises(ValueError, match="mode 'video' needs a video tokenizer"):
         video_grid_setting(SamplingConfig(mode="video"), image_tokenizer)
     assert video_grid_setting(SamplingConfig(mode="image"), image_tokenizer) == {}
@@ -329,7 +329,7 @@ def video_files(tmp_path_factory):
 
 
 def test_generate_mode_video_writes_gif_mp4_and_a_frame_strip_and_prints_them(video_files, tmp_path, capsys):
-    from tokenizer.image import load_image_tokenizer
+    from tokenizer.bundle import load_media_tokenizer
     from tokenizer.vocab import UnifiedVocab
 
     out = tmp_path / "clips"
@@ -339,7 +339,7 @@ def test_generate_mode_video_writes_gif_mp4_and_a_frame_strip_and_prints_them(vi
     assert main(argv) == 0
     printed = capsys.readouterr().out
     vocab = UnifiedVocab.load(video_files / "tokenizer.json")
-    tokenizer = load_image_tokenizer(video_files / "video")
+    tokenizer = load_media_tokenizer(video_files / "video")
     t, h, w = tokenizer.video_grid
     body = json.loads((out / "samples.json").read_text())
     assert body["settings"]["video_grid"] == [t, h, w]
@@ -364,11 +364,11 @@ def test_generate_mode_video_writes_gif_mp4_and_a_frame_strip_and_prints_them(vi
 
 def test_a_document_of_text_an_image_and_a_clip_decodes_into_each_kind(video_files):
     from fusion_model.sampling.generate import Clip, decode_outputs
-    from tokenizer.image import load_image_tokenizer
+    from tokenizer.bundle import load_media_tokenizer
     from tokenizer.vocab import UnifiedVocab
 
     vocab = UnifiedVocab.load(video_files / "tokenizer.json")
-    tokenizer = load_image_tokenizer(video_files / "video")
+    tokenizer = load_media_tokenizer(video_files / "video")
     grid, video_grid = tuple(tokenizer.grid_shape), tuple(tokenizer.video_grid)
     image, clip = torch.randint(0, 16, grid), torch.randint(0, 16, video_grid)
     ids = vocab.encode_document(["the cat", image, "then", clip, "end"], bos=False)
