@@ -1,5 +1,5 @@
 """The Transfusion family's U-Net patch encoder/decoder (`patch_encoder: "unet"`,
-fusion_model/families/transfusion_unet.py): its options and refusals, shapes and per-image independence, the linear
+fusion_model/families/transfusion/unet.py): its options and refusals, shapes and per-image independence, the linear
 default unchanged, gradient reach, `denoise` against the training forward, the sampler's cached path against the
 full recompute, FLOPs against torch's counter, and a short fit through the Lightning module."""
 
