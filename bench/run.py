@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from bench.harness import COMPARE_SECONDS_ENV, RESULTS_DIR, RESULTS_DIR_ENV, resolve_results_dir, write_result
+from bench.summary import Anchors, render_summary
 from common.files import atomic_write_text
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -23,6 +24,7 @@ MARKDOWN = REPO_ROOT / "BENCHMARKS.md"
 # shown in their own sections of BENCHMARKS.md, not in the table of ratios
 LIMITS_NAME = "limits"
 GPU_NAME = "gpu"
+GPU_TITLE = "GPU (`bench/gpu.sh`)"
 DEFAULT_MAX_SECONDS = 900.0
 # benchmarks that need longer than the default kill time (wall seconds); --max-seconds, when given, wins
 TIME_LIMITS_S = {"tokenizer_quality": 7200.0}  # 3 models x (3.5 + 15) CPU-minutes on one thread, plus load
@@ -208,8 +210,8 @@ def _load_results(directory: Path) -> dict[str, dict]:
     return results
 
 
-def _table(results: dict[str, dict], machines: dict[str, str]) -> list[str]:
-    """One row per figure; the ratio columns appear only when some figure is a side-by-side comparison."""
+def _rows(results: dict[str, dict], machines: dict[str, str]) -> list[tuple[str, str, tuple, str]]:
+    """(benchmark, figure, cells, when) for every figure; numbers each new machine M1, M2, … in order."""
     rows = []
     for name, body in results.items():
         machine = machines.setdefault(_machine_key(body.get("machine", {})), f"M{len(machines) + 1}")
@@ -217,9 +219,20 @@ def _table(results: dict[str, dict], machines: dict[str, str]) -> list[str]:
         when = f"{body.get('measured_at', '?')}, {machine}" + (f", load {load:g}" if load is not None else "")
         when += " (smoke)" if body.get("smoke") else ""
         rows += [(name, label, _figure_cells(value, label), when) for label, value in _flatten(body.get("figures", {}))]
+    return rows
+
+
+def _wide(rows: list[tuple[str, str, tuple, str]]) -> bool:
+    """Whether some figure is a side-by-side comparison (then the table has the ratio columns)."""
+    return any(cells[1] for _, _, cells, _ in rows)
+
+
+def _table(results: dict[str, dict], machines: dict[str, str], wide: bool | None = None) -> list[str]:
+    """One row per figure; the ratio columns appear when `wide`, by default when some figure is a comparison."""
+    rows = _rows(results, machines)
     if not rows:
         return []
-    if any(cells[1] for _, _, cells, _ in rows):
+    if _wide(rows) if wide is None else wide:
         lines = ["| Benchmark | Figure | Result | Spread (IQR) | Pairs | Ours / ref. median s | Measured |"]
         lines.append("|---|---|---|---|---|---|---|")
         lines += [f"| {n} | {label} | {' | '.join(cells)} | {when} |" for n, label, cells, when in rows]
@@ -229,13 +242,24 @@ def _table(results: dict[str, dict], machines: dict[str, str]) -> list[str]:
     return lines
 
 
+def _figures_title(name: str) -> str:
+    """The heading of one benchmark's figures in the table of ratios."""
+    return f"{name} (`bench/bench_{name}.py`)" if (BENCH_DIR / f"bench_{name}.py").exists() else f"`{name}`"
+
+
 def render_markdown(directory: Path, failures: dict[str, str] | None = None) -> str:
-    """BENCHMARKS.md text from every result in `directory`: ratios with spread, limits, GPU, machines."""
+    """BENCHMARKS.md text from every result in `directory`: a summary (one row per result file, see
+    bench/summary.py), then the detail: ratios with spread per benchmark, limits, GPU, own sections, machines."""
     results = _load_results(directory)
     limits = {k: v for k, v in results.items() if k == LIMITS_NAME}
     gpu = {k: v for k, v in results.items() if k == GPU_NAME}
     others = {k: v for k, v in results.items() if k not in {LIMITS_NAME, GPU_NAME}}
     machines: dict[str, str] = {}
+    # headings in document order, so that each anchor is the one GitHub gives it
+    anchors = Anchors()
+    anchors.add("Benchmarks")
+    anchors.add("Summary")
+    detail: dict[str, list[tuple[str, str]]] = {}
     out = [
         "# Benchmarks",
         "",
@@ -247,12 +271,22 @@ def render_markdown(directory: Path, failures: dict[str, str] | None = None) -> 
         "`Measured` gives the UTC time, the machine (listed at the end) and the 1-minute load average",
         "when the result was written: a load above the core count means other work shared the CPU.",
         "",
-        "## Ratios and figures",
-        "",
     ]
-    table = _table(others, machines)
-    out += table or ["No benchmark results yet: run `python -m bench`."]
-    out += ["", "## Machine limits (measured by `bench/limits.py`)", ""]
+    summary_at = len(out)  # the summary goes here once the detail has numbered the machines
+    out += ["## Ratios and figures", ""]
+    anchors.add("Ratios and figures")
+    wide = _wide(_rows(others, {}))
+    for name in others:
+        title = _figures_title(name)
+        detail.setdefault(name, []).append(("figures", anchors.add(title)))
+        out += [f"### {title}", "", *_table({name: others[name]}, machines, wide), ""]
+    if not others:
+        out += ["No benchmark results yet: run `python -m bench`.", ""]
+    limits_title = "Machine limits (measured by `bench/limits.py`)"
+    limits_anchor = anchors.add(limits_title)
+    for name in limits:
+        detail.setdefault(name, []).append(("machine limits", limits_anchor))
+    out += [f"## {limits_title}", ""]
     limit_table = _table(limits, machines)
     out += limit_table or ["Not measured yet: run `python -m bench limits`."]
     out += [
@@ -260,7 +294,7 @@ def render_markdown(directory: Path, failures: dict[str, str] | None = None) -> 
         "MFU figures are achieved model FLOP/s ÷ the matmul peak; decode figures compare the time per token",
         "with the bandwidth bound (weight bytes ÷ copy bandwidth, counting bytes read + written).",
         "",
-        "## GPU (`bench/gpu.sh`)",
+        f"## {GPU_TITLE}",
         "",
         "One script, under 10 minutes on one H100/H200: a bf16 train step (forward, chunked CE + z-loss,",
         "backward, clip, fused AdamW) at a ~1.1B config (d 2048, 16 layers, vocab 65,536, 4 x 4,096 packed",
@@ -273,6 +307,9 @@ def render_markdown(directory: Path, failures: dict[str, str] | None = None) -> 
         "the bound of reading every weight once per forward at the copy bandwidth.",
         "",
     ]
+    gpu_anchor = anchors.add(GPU_TITLE)
+    for name in gpu:
+        detail.setdefault(name, []).append(("GPU", gpu_anchor))
     gpu_table = _table(gpu, machines)
     out += gpu_table or [
         "Not measured yet: no GPU result in bench/results. The script is dry-run tested on CPU",
@@ -281,10 +318,15 @@ def render_markdown(directory: Path, failures: dict[str, str] | None = None) -> 
     for name, (title, module) in SECTIONS.items():
         if name in results:
             lines = importlib.import_module(module).section(results[name])
-            out += ["", f"## {title}", "", *lines] if lines else []
+            if lines:
+                # its own section reads best: first among the links
+                detail.setdefault(name, []).insert(0, ("section", anchors.add(title)))
+                out += ["", f"## {title}", "", *lines]
     if failures:
+        anchors.add("Not measured in the last run")
         out += ["", "## Not measured in the last run", ""]
         out += [f"- `{name}`: {why}" for name, why in sorted(failures.items())]
+    anchors.add("Configurations")
     out += ["", "## Configurations", ""]
     for name, body in results.items():
         config = json.dumps(body.get("config", {}), separators=(", ", ": "), default=str)
@@ -292,8 +334,11 @@ def render_markdown(directory: Path, failures: dict[str, str] | None = None) -> 
             config = config[:600] + f" … (all of it in bench/results/{name}.json)"
         elapsed = f", ran {body['elapsed_s']} s" if "elapsed_s" in body else ""
         out.append(f"- **{name}**{elapsed}: `{config}`")
+    anchors.add("Machines")
     out += ["", "## Machines", ""]
     out += [f"- {key}: {description}" for description, key in machines.items()]
+    summary = render_summary(directory, detail, lambda machine: machines.get(_machine_key(machine)))
+    out[summary_at:summary_at] = [*summary, ""]
     return "\n".join(out) + "\n"
 
 

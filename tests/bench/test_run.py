@@ -1,13 +1,14 @@
 """The runner: discovery, bounded child processes, and the BENCHMARKS.md table built from result files."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
 
-from bench import run
+from bench import bench_scale, run, summary
 from bench.harness import RESULTS_DIR, PairedResult, write_result
 
 
@@ -132,3 +133,111 @@ def test_python_dash_m_bench_lists_the_benchmarks():
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == run.discover()
+
+
+# ---------------------------------------------------------------- the summary that opens BENCHMARKS.md
+
+
+def _summary_rows(text):
+    block = text.split(summary.START_MARKER)[1].split(summary.END_MARKER)[0]
+    lines = [line for line in block.splitlines() if line.startswith("| `")]
+    return {line.split("|")[1].strip().strip("`"): [cell.strip() for cell in line.split("|")[2:-1]] for line in lines}
+
+
+def _headings(text):
+    anchors = summary.Anchors()
+    return {anchors.add(line.lstrip("#").strip()) for line in text.splitlines() if re.match(r"#{1,6} ", line)}
+
+
+def test_summary_has_one_row_per_result_file_before_the_detail(tmp_path):
+    _fake_results(tmp_path)
+    (tmp_path / "revision.json").write_text(json.dumps({"after_over_before_speed": {"train_step_speed": 1.25}}))
+    (tmp_path / "notes.md").write_text("not a result")
+    text = run.render_markdown(tmp_path)
+    assert text.startswith("# Benchmarks\n")
+    assert text.index(summary.START_MARKER) < text.index("## Summary") < text.index(summary.END_MARKER)
+    assert text.index(summary.END_MARKER) < text.index("## Ratios and figures")
+    rows = _summary_rows(text)
+    assert sorted(rows) == sorted(path.stem for path in tmp_path.glob("*.json")) == ["alpha", "limits", "revision"]
+    # a file without figures still gets its row, but no machine, no figure row and no configuration
+    assert rows["revision"][0].startswith("**1.25×** training-step speed") and rows["revision"][2:4] == ["—", "—"]
+    assert "[bench/results/revision.json](bench/results/revision.json)" in rows["revision"][4]
+    assert "| revision |" not in text and "**revision**" not in text
+
+
+def test_summary_ratio_is_the_one_in_the_result_file(tmp_path):
+    # a name with a headline entry: its headline figure is decoder's medium.eager
+    paired = PairedResult(1.8234, 1.61, 1.97, 9, 0.5, 0.91).as_dict()
+    write_result("decoder", {"figures": {"medium": {"eager": paired, "compiled": {**paired, "speedup_median": 1.3}}},
+                             "config": {}}, tmp_path)
+    _fake_results(tmp_path)
+    rows = _summary_rows(run.render_markdown(tmp_path))
+    stored = json.loads((tmp_path / "decoder.json").read_text())["figures"]["medium"]["eager"]["speedup_median"]
+    headline, goal, machine, measured, links = rows["decoder"]
+    assert headline.startswith(f"**{stored:.2f}×** vs transformers Chameleon") and "1.82×" in headline
+    assert "(IQR 1.61×–1.97×)" in headline and "1.30× compiled" in headline
+    assert goal == "—"  # neither the result nor bench/bench_decoder.py states one
+    assert machine.endswith("(M1)") and "thread" in machine and measured[:2] == "20"
+    # a name without one: its first side-by-side ratio, labelled by its figure
+    assert rows["alpha"][0].startswith("**2.00×** `encode` (IQR 1.50×–2.50×)")
+    assert rows["limits"][0].startswith("— (no ratio")
+
+
+def test_summary_goal_comes_from_the_result_else_the_benchmark(tmp_path):
+    ratio = PairedResult(150.0, 140.0, 160.0, 6, 0.1, 15.0).as_dict()
+    write_result("data", {"figures": {"stream_vs_demo_train_step": {**ratio, "goal": 100.0}}, "config": {}}, tmp_path)
+    write_result("mot", {"figures": {"train_half_image": {"mot_time_over_dense": {"value": 1.07}}},
+                         "config": {"goal": "train step mot_time_over_dense <= 1.15"}}, tmp_path)
+    write_result("scale", {"figures": {"after": {"first_batch_100x_over_1x": 0.6}}, "config": {}}, tmp_path)
+    # the summary alone: mot's and scale's own sections want whole results
+    rows = _summary_rows("\n".join(summary.render_summary(tmp_path, {})))
+    assert rows["data"][1] == "≥ 100×"  # the figure's own goal
+    assert rows["mot"][1] == "train step mot_time_over_dense ≤ 1.15"  # the config's
+    assert rows["mot"][0].startswith("**1.07×** MoT / dense")
+    assert rows["scale"][1] == f"≤ {bench_scale.GOAL_RATIO:g}× at 100×"  # bench/bench_scale.py's constant
+    assert rows["scale"][0].startswith("**0.60×**") and "peak RSS" not in rows["scale"][0]  # absent, not made up
+
+
+def test_summary_links_lead_to_headings_of_the_document(tmp_path):
+    _fake_results(tmp_path)
+    write_result("gpu", {"figures": {"train_step_1b": {"mfu_vs_measured_matmul": {"value": 0.45, "unit": "of peak"}}},
+                         "config": {}}, tmp_path)
+    text = run.render_markdown(tmp_path)
+    rows = _summary_rows(text)
+    assert rows["gpu"][0].startswith("**45.0%** MFU")
+    headings = _headings(text)
+    for name, cells in rows.items():
+        targets = re.findall(r"\]\(#([^)]+)\)", cells[4])
+        assert targets and all(target in headings for target in targets), (name, cells[4], headings)
+
+
+def test_rendering_twice_gives_the_same_file(tmp_path):
+    _fake_results(tmp_path)
+    (tmp_path / "revision.json").write_text(json.dumps({"after_over_before_speed": {"train_step_speed": 1.01}}))
+    markdown = tmp_path / "B.md"
+    assert run.main(["--render-only", "--results-dir", str(tmp_path), "--markdown", str(markdown)]) == 0
+    first = markdown.read_text()
+    assert run.main(["--render-only", "--results-dir", str(tmp_path), "--markdown", str(markdown)]) == 0
+    assert markdown.read_text() == first == run.render_markdown(tmp_path)
+    assert first.count(summary.START_MARKER) == 1 and first.count("## Summary") == 1
+
+
+def test_every_stored_result_has_its_headline_figures():
+    """The headline paths in bench/summary.py name figures the stored results really hold."""
+    results = summary.load_all(RESULTS_DIR)
+    assert results, "no stored results in bench/results"
+    for name, body in results.items():
+        text = summary.headline_text(name, body)
+        assert "not in this result" not in text, (name, text)
+        spec = summary.HEADLINES.get(name)
+        if spec is not None and spec.parts:
+            shown = [summary._part_text(body.get("figures", body), part, i == 0) for i, part in enumerate(spec.parts)]
+            assert all(shown), (name, shown)
+
+
+def test_the_anchor_of_a_heading_is_githubs():
+    assert summary.slug("GPU (`bench/gpu.sh`)") == "gpu-benchgpush"
+    assert summary.slug("Data at scale: one rank's start-up and memory (issue #33, `bench/bench_scale.py`)") == (
+        "data-at-scale-one-ranks-start-up-and-memory-issue-33-benchbench_scalepy")
+    anchors = summary.Anchors()
+    assert [anchors.add("Machines"), anchors.add("Machines")] == ["machines", "machines-1"]
