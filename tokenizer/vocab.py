@@ -1,34 +1,28 @@
 """The unified early-fusion vocabulary: special tokens, then one image-code block, then byte-level BPE text.
 
-One `tokenizer.json` holds it all; the layout is read back from the token names (Chameleon's naming).
+One `tokenizer.json` holds it all; the layout is read back from the token names (Chameleon's naming). This module
+holds the vocabulary (UnifiedVocab) and its constructors; the token names, the document parts, the layout and the
+tokenizer's assembly live in token_names, spans, vocab_layout and vocab_build, and are importable from here too.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
 import os
-import re
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
-from tokenizers import AddedToken, Tokenizer, models
+from tokenizers import Tokenizer
 
 from common.files import atomic_path
-from tokenizer.bpe import (
-    BYTE_ALPHABET,
-    BpeResult,
-    byte_level_decoder,
-    byte_level_pre_tokenizer,
-    prune_tokens,
-    train_bpe,
-)
+from tokenizer.bpe import BpeResult
 from tokenizer.layout import image_code_mask
-from tokenizer.specials import (  # noqa: F401 - part of this module's interface
+from tokenizer.spans import LatentImage, Segment, Span, clip_of, find_spans, grid_of
+from tokenizer.specials import (
     BOI,
     BOS,
     BOV,
@@ -44,32 +38,24 @@ from tokenizer.specials import (  # noqa: F401 - part of this module's interface
     SEP,
     VIDEO_SPECIALS,
 )
+from tokenizer.token_names import IMAGE_PREFIX, image_code_of_name, image_token_name, reserved_name
+from tokenizer.token_names import RESERVED as _RESERVED  # noqa: F401 - importable here as before the split
+from tokenizer.vocab_build import build_tokenizer, train_text_bpe
+from tokenizer.vocab_layout import VocabLayout
+from tokenizer.vocab_layout import read_layout as _read_layout
+from tokenizer.vocab_layout import text_room as _text_room  # noqa: F401 - importable here as before the split
 
-IMAGE_PREFIX = "IMGIMG"
-_RESERVED = re.compile(r"<reserved_\d+>")
-_DIGITS_AS_LETTERS = str.maketrans("0123456789", "ABCDEFGHIJ")
-_LETTERS_AS_DIGITS = str.maketrans("ABCDEFGHIJ", "0123456789")
-_IMAGE_NAME = re.compile(re.escape(IMAGE_PREFIX) + "([A-J]+)Z")
+__all__ = [
+    "BOI", "BOS", "BOV", "DEFAULT_IMAGE_CODES", "DEFAULT_NUM_SPECIALS", "DEFAULT_VOCAB_SIZE", "EOI", "EOS", "EOV",
+    "IMAGE_PLACEHOLDER", "IMAGE_PREFIX", "NAMED_SPECIALS", "NO_VIDEO_MARKERS", "PAD", "SEP", "VIDEO_SPECIALS",
+    "LatentImage", "Segment", "Span", "UnifiedVocab", "VocabLayout", "build_unified_vocab", "image_code_of_name",
+    "image_token_name", "reserved_name", "text_mode_mask", "train_unified_vocab",
+]
 
-Segment = "str | torch.Tensor | np.ndarray"
 NO_VIDEO_MARKERS = (
     f"this vocabulary has no video markers ({BOV}/{EOV}): it was built without video; rebuild the vocabulary "
     "with `train.py vocab --video` (and re-tokenize the shards with it) to use clips"
 )
-
-
-def image_token_name(code: int) -> str:
-    """Chameleon's name for image code `code`: IMGIMG + digits as letters (0->A ... 9->J) + Z; 123 -> IMGIMGBCDZ."""
-    return IMAGE_PREFIX + str(int(code)).translate(_DIGITS_AS_LETTERS) + "Z"
-
-
-def image_code_of_name(name: str) -> int | None:
-    """Inverse of image_token_name: the code an image token's name stands for, None for any other name."""
-    match = _IMAGE_NAME.fullmatch(name)
-    if match is None:
-        return None
-    code = int(match.group(1).translate(_LETTERS_AS_DIGITS))
-    return code if image_token_name(code) == name else None  # "IMGIMGABZ" (a leading zero) names nothing
 
 
 def text_mode_mask(vocab: object) -> torch.Tensor:
@@ -84,74 +70,6 @@ def text_mode_mask(vocab: object) -> torch.Tensor:
     if sep is not None:  # the separator / end-of-turn is text-mode punctuation for chat-style documents
         allowed[sep] = True
     return allowed
-
-
-def reserved_name(index: int) -> str:
-    """Name of the index-th reserved token (unused specials and the filler after BPE)."""
-    return f"<reserved_{index}>"
-
-
-@dataclass(frozen=True)
-class LatentImage:
-    """A continuous image as a document segment (Transfusion): `patches` `<image>` placeholder positions between
-    `<boi>` and `<eoi>`, whose latent patches travel beside the ids."""
-
-    patches: int
-
-
-@dataclass(frozen=True)
-class Span:
-    """One run of an id sequence (UnifiedVocab.spans): text, an image from its `<boi>` to its `<eoi>`, or a video
-    clip from its `<bov>` to its `<eov>`."""
-
-    kind: str  # "text", "image" or "video"
-    start: int  # position of the first id (an image's <boi>, a clip's <bov>)
-    end: int  # one past the last id (past an image's <eoi> / a clip's <eov> when it has one)
-    # False for an image (clip) cut short: the sequence ends, or another <boi> / <bov> comes before its end marker
-    closed: bool = True
-
-    @property
-    def is_image(self) -> bool:
-        """Whether this run is an image (a clip is not: see is_video, is_visual)."""
-        return self.kind == "image"
-
-    @property
-    def is_video(self) -> bool:
-        """Whether this run is a video clip."""
-        return self.kind == "video"
-
-    @property
-    def is_visual(self) -> bool:
-        """Whether this run is an image or a clip: codes of the image block between two markers."""
-        return self.kind != "text"
-
-    @property
-    def body(self) -> slice:
-        """Positions of the content: all of a text run; an image's (clip's) ids between its two markers."""
-        if not self.is_visual:
-            return slice(self.start, self.end)
-        return slice(self.start + 1, self.end - 1 if self.closed else self.end)
-
-
-@dataclass(frozen=True)
-class VocabLayout:
-    """Where each range lives: [0, image_offset) specials, image block, [text_offset, text_end) BPE, then filler."""
-
-    vocab_size: int
-    image_codes: int
-    image_offset: int
-    text_offset: int
-    text_end: int
-
-    @property
-    def num_text_tokens(self) -> int:
-        """Learned text tokens (256 bytes + merges)."""
-        return self.text_end - self.text_offset
-
-    @property
-    def num_filler(self) -> int:
-        """`<reserved_N>` tokens appended because BPE stopped before filling the text range."""
-        return self.vocab_size - self.text_end
 
 
 class UnifiedVocab:
@@ -356,9 +274,9 @@ class UnifiedVocab:
                     )
             codes = [i - lay.image_offset for i in ids[span.body]]
             if span.closed and span.is_video:
-                segments.append(self._clip_of(codes, video_grid, grid_shape, span.end - 1))
+                segments.append(clip_of(codes, video_grid, grid_shape, span.end - 1))
             elif span.closed:
-                segments.append(self._grid_of(codes, grid_shape, span.end - 1))
+                segments.append(grid_of(codes, grid_shape, span.end - 1))
             else:  # generation stopped inside an image or a clip
                 segments.append(torch.tensor(codes, dtype=torch.long))
         return segments
@@ -373,21 +291,7 @@ class UnifiedVocab:
         `<boi>` or `<bov>` comes first (that marker starts the next one). An end marker outside its kind of span
         (`<eoi>` in text or in a clip, `<eov>` in text or in an image) is part of the run around it.
         """
-        ids = self._as_list(ids)
-        spans: list[Span] = []
-        start, kind = 0, "text"
-        closer = {"image": self.eoi_id, "video": self.eov_id}
-        for position, i in enumerate(ids):
-            if i == self.boi_id or (i == self.bov_id and self.bov_id is not None):
-                if position > start:
-                    spans.append(Span(kind, start, position, closed=kind == "text"))
-                start, kind = position, "image" if i == self.boi_id else "video"
-            elif kind != "text" and i == closer[kind]:
-                spans.append(Span(kind, start, position + 1))
-                start, kind = position + 1, "text"
-        if len(ids) > start:
-            spans.append(Span(kind, start, len(ids), closed=kind == "text"))
-        return spans
+        return find_spans(self._as_list(ids), self.boi_id, self.eoi_id, self.bov_id, self.eov_id)
 
     # ----- masks --------------------------------------------------------------------------------
     def is_text(self, ids: torch.Tensor) -> torch.Tensor:
@@ -524,33 +428,6 @@ class UnifiedVocab:
             )
         return grid.astype(np.int64).reshape(-1)
 
-    def _grid_of(self, codes: list[int], grid_shape: tuple[int, int] | None, position: int) -> torch.Tensor:
-        flat = torch.tensor(codes, dtype=torch.long)
-        if grid_shape is not None:
-            h, w = grid_shape
-            if len(codes) != h * w:
-                raise ValueError(
-                    f"image ending at position {position} has {len(codes)} codes, not {h}x{w}={h * w}"
-                )
-            return flat.reshape(h, w)
-        side = math.isqrt(len(codes))
-        return flat.reshape(side, side) if side * side == len(codes) and codes else flat
-
-    @staticmethod
-    def _clip_of(codes: list[int], video_grid: tuple[int, int, int] | None, grid_shape: tuple[int, int] | None,
-                 position: int) -> torch.Tensor:
-        flat = torch.tensor(codes, dtype=torch.long)
-        if video_grid is not None:
-            t, h, w = video_grid
-            if len(codes) != t * h * w:
-                raise ValueError(
-                    f"clip ending at position {position} has {len(codes)} codes, not {t}x{h}x{w}={t * h * w}"
-                )
-            return flat.reshape(t, h, w)
-        if grid_shape is not None and codes and len(codes) % (grid_shape[0] * grid_shape[1]) == 0:
-            return flat.reshape(-1, *grid_shape)
-        return flat
-
 
 def build_unified_vocab(
     bpe: BpeResult,
@@ -565,33 +442,7 @@ def build_unified_vocab(
     specials) instead of `<reserved_0>` / `<reserved_1>`. Off by default: without it the vocabulary is the one
     built before video existed, name for name (same fingerprint).
     """
-    text_room = _text_room(vocab_size, image_codes, num_specials, video)
-    reserved = [reserved_name(i) for i in range(num_specials - len(NAMED_SPECIALS))]
-    if video:  # the markers take the first two reserved slots; the other slots keep their names
-        reserved[: len(VIDEO_SPECIALS)] = VIDEO_SPECIALS
-    specials = list(NAMED_SPECIALS) + reserved
-    images = [image_token_name(k) for k in range(image_codes)]
-    # No text token may look like an image token (transformers finds those by prefix) or a special/filler name.
-    taken = set(specials)
-    bpe = prune_tokens(
-        bpe, lambda t: t.startswith(IMAGE_PREFIX) or t in taken or _RESERVED.fullmatch(t) is not None
-    )
-    text = bpe.tokens[:text_room]
-    merges = bpe.merges[: max(0, len(text) - len(BYTE_ALPHABET))]
-    filler: list[str] = []
-    next_reserved = num_specials - len(NAMED_SPECIALS)
-    while len(text) + len(filler) < text_room:
-        filler.append(reserved_name(next_reserved))
-        next_reserved += 1
-    names = specials + images + text + filler
-    model = models.BPE(vocab={name: i for i, name in enumerate(names)}, merges=merges, ignore_merges=False)
-    tokenizer = Tokenizer(model)
-    tokenizer.pre_tokenizer = byte_level_pre_tokenizer()
-    tokenizer.decoder = byte_level_decoder()
-    # Registered as special so transformers treats them as control tokens; ids come from the model vocab.
-    # The filler is not registered: it is never produced, and 40k added tokens would slow every load.
-    tokenizer.add_special_tokens([AddedToken(name, special=True, normalized=False) for name in specials])
-    return UnifiedVocab(tokenizer)
+    return UnifiedVocab(build_tokenizer(bpe, vocab_size, image_codes, num_specials, video))
 
 
 def train_unified_vocab(
@@ -608,72 +459,6 @@ def train_unified_vocab(
     """Train BPE on `texts` and build the unified vocabulary; small sizes (a few hundred ids) work for tests.
 
     video: give the vocabulary the clip markers `<bov>` / `<eov>` (build_unified_vocab)."""
-    text_room = _text_room(vocab_size, image_codes, num_specials, video)
-    # A few spare merges make up for any pruned by prune_reserved.
-    bpe = train_bpe(
-        texts, text_room + 64, min_frequency=min_frequency, show_progress=show_progress, length=length
-    )
+    bpe = train_text_bpe(texts, vocab_size, image_codes, num_specials, min_frequency=min_frequency,
+                         show_progress=show_progress, length=length, video=video)
     return build_unified_vocab(bpe, vocab_size, image_codes, num_specials, video=video)
-
-
-def _text_room(vocab_size: int, image_codes: int, num_specials: int, video: bool = False) -> int:
-    """Ids left for text; errors (with the shortfall) when not even the 256 byte tokens fit."""
-    if num_specials < len(NAMED_SPECIALS):
-        raise ValueError(
-            f"num_specials={num_specials} cannot hold the {len(NAMED_SPECIALS)} named specials {NAMED_SPECIALS}"
-        )
-    if video and num_specials < len(NAMED_SPECIALS) + len(VIDEO_SPECIALS):
-        raise ValueError(
-            f"num_specials={num_specials} cannot hold the {len(NAMED_SPECIALS)} named specials and the video markers "
-            f"{VIDEO_SPECIALS}: use at least {len(NAMED_SPECIALS) + len(VIDEO_SPECIALS)}"
-        )
-    if image_codes < 1:
-        raise ValueError(f"image_codes must be at least 1, got {image_codes}")
-    room = vocab_size - num_specials - image_codes
-    if room < len(BYTE_ALPHABET):
-        short = len(BYTE_ALPHABET) - room
-        raise ValueError(
-            f"vocab_size={vocab_size} leaves {room} ids for text after {num_specials} specials and {image_codes} image "
-            f"codes, but byte-level BPE needs at least {len(BYTE_ALPHABET)}: {short} short; raise vocab_size to "
-            f"{vocab_size + short} or lower image_codes to {image_codes - short}"
-        )
-    return room
-
-
-def _read_layout(tokenizer: Tokenizer, source: str) -> VocabLayout:
-    """Recover and check the layout from token names: specials, contiguous IMGIMG block, text, filler."""
-    by_name = tokenizer.get_vocab(with_added_tokens=True)
-    size = len(by_name)
-    names = sorted(by_name, key=by_name.__getitem__)
-    if [by_name[name] for name in names] != list(range(size)):
-        raise ValueError(
-            f"{source}: token ids are not contiguous 0..{size - 1}; this is not a unified vocabulary"
-        )
-    missing = [name for name in NAMED_SPECIALS if tokenizer.token_to_id(name) is None]
-    if missing:
-        raise ValueError(
-            f"{source}: missing special tokens {missing}; it was not made by `python train.py vocab`"
-        )
-    image_ids = [i for i, name in enumerate(names) if name.startswith(IMAGE_PREFIX)]
-    if not image_ids:
-        raise ValueError(f"{source}: has no {IMAGE_PREFIX}* image tokens; it is not a unified vocabulary")
-    offset, codes = image_ids[0], len(image_ids)
-    for code, i in enumerate(image_ids):
-        if i != offset + code or names[i] != image_token_name(code):
-            raise ValueError(
-                f"{source}: image token {names[i]!r} at id {i} breaks the contiguous image block at code {code}"
-            )
-    if max(tokenizer.token_to_id(name) for name in NAMED_SPECIALS) >= offset:
-        raise ValueError(f"{source}: special tokens must come before the image block (id {offset})")
-    markers = [tokenizer.token_to_id(name) for name in VIDEO_SPECIALS]
-    if sum(i is not None and i < offset for i in markers) == 1:
-        raise ValueError(f"{source}: has one of the video markers {VIDEO_SPECIALS} among its specials but not the "
-                         "other; rebuild it with `train.py vocab --video`")
-    text_offset = offset + codes
-    # BPE never learns a <reserved_N> name (build_unified_vocab prunes them), so the trailing run of them is filler.
-    text_end = size
-    while text_end > text_offset and _RESERVED.fullmatch(names[text_end - 1]):
-        text_end -= 1
-    return VocabLayout(
-        vocab_size=size, image_codes=codes, image_offset=offset, text_offset=text_offset, text_end=text_end
-    )
