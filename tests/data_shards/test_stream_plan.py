@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pickle
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -40,13 +41,16 @@ def notices(monkeypatch):
 
 
 @pytest.fixture
-def verified(monkeypatch):
-    """Names of the shards whose files were size + sha256 checked, in order (background checks included)."""
+def verified(monkeypatch, tmp_path):
+    """Names of this test's shards whose files were size + sha256 checked, in order (background checks included).
+    Only shards under this test's tmp_path count: an earlier test's stream may still be checking its own shards in
+    its background thread when this one starts."""
     names: list[str] = []
     original = TokenShard.verify_files
 
     def spy(self):
-        names.append(self.name)
+        if Path(tmp_path) in Path(self.path(".offsets.npy")).parents:
+            names.append(self.name)
         return original(self)
 
     monkeypatch.setattr(TokenShard, "verify_files", spy)
@@ -76,6 +80,7 @@ def test_rank_0_of_4_verifies_only_its_shards(tmp_path, tok, verified):
 
     list(it)
     assert set(stream.shard_names[s] for s in stream.shards_opened) <= mine, "it opens only its own shards"
+    assert verified, "the spy sees this test's checks"
     assert set(verified) <= mine, "and checks only those"
     assert len(verified) == len(set(verified)), "each shard is hashed once"
     assert len(verified) < total / 2
