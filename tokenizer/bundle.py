@@ -2,23 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import torch
 
 from tokenizer.image.bundle import AnyImageTokenizer, load_image_tokenizer
-from tokenizer.video.config import is_video_config
+from tokenizer.video.config import is_video_bundle
 from tokenizer.video.video_tokenizer import VideoTokenizer
 
 AnyMediaTokenizer = AnyImageTokenizer | VideoTokenizer
-
-
-def is_video_bundle(directory: str | os.PathLike) -> bool:
-    """Whether the bundle in `directory` holds a video tokenizer (its config.json says so)."""
-    config_path = Path(directory) / "config.json"
-    return config_path.is_file() and is_video_config(json.loads(config_path.read_text()))
 
 
 def load_media_tokenizer(directory: str | os.PathLike, map_location: str | torch.device = "cpu") -> AnyMediaTokenizer:

@@ -3,16 +3,14 @@
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
 import torch
 
 from tokenizer.image.config import ImageTokenizerConfig
 from tokenizer.image.continuous import ContinuousImageTokenizer
 from tokenizer.image.image_tokenizer import ImageTokenizer, read_bundle_config
-from tokenizer.video.config import is_video_config
+from tokenizer.video.config import is_video_bundle
 
 AnyImageTokenizer = ImageTokenizer | ContinuousImageTokenizer
 BUNDLE_CLASSES: dict[str, type[ImageTokenizer] | type[ContinuousImageTokenizer]] = {
@@ -28,8 +26,7 @@ def build_image_tokenizer(config: ImageTokenizerConfig) -> AnyImageTokenizer:
 
 def load_image_tokenizer(directory: str | os.PathLike, map_location: str | torch.device = "cpu") -> AnyImageTokenizer:
     """The image bundle in `directory`, VQ or continuous (check `.kind`: "vq", "continuous"), in eval mode."""
-    config_path = Path(directory) / "config.json"
-    if config_path.is_file() and is_video_config(json.loads(config_path.read_text())):
+    if is_video_bundle(directory):
         raise ValueError(
             f"{directory} holds a video tokenizer bundle, not an image one: load it with "
             "tokenizer.bundle.load_media_tokenizer, which loads every kind"

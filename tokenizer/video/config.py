@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 QUANTIZER_MODES = ("chameleon", "improved")
@@ -16,6 +18,12 @@ VIDEO_CONFIG_KEY = "temporal_downsample_factor"
 def is_video_config(data: dict[str, Any]) -> bool:
     """Whether a bundle's config.json (as a dict) describes a video tokenizer."""
     return VIDEO_CONFIG_KEY in data
+
+
+def is_video_bundle(directory: str | os.PathLike) -> bool:
+    """Whether the bundle in `directory` holds a video tokenizer (its config.json says so)."""
+    config_path = Path(directory) / "config.json"
+    return config_path.is_file() and is_video_config(json.loads(config_path.read_text()))
 
 
 @dataclass
