@@ -167,6 +167,21 @@ def run_in_process(args: list[str]):
     return fit_from_config(None, args)
 
 
+def leave_process_group() -> None:
+    """End a spawned gloo rank that finished its work: wait for every rank, then exit at once (status 0).
+
+    A normal exit lets interpreter teardown destroy tensors that gloo's worker threads still hold (FSDP2 keeps the
+    process group alive past `destroy_process_group`); that needs the GIL while Python is going away and aborts the
+    rank ("terminate called without an active exception", SIGABRT), about once per CI run even after a barrier
+    and an explicit destroy. Everything the rank writes is saved and closed before this is called."""
+    import torch.distributed as dist
+
+    dist.barrier()  # no rank leaves while another still talks to it
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def fsdp2_steps(rank: int, world: int, port: int, config: dict, weights: str, batches: str, out: str) -> None:
     """Rank `rank` of `world` CPU processes (gloo): the decoder with `weights`, sharded as Family.parallelize shards
     it (FSDP2, each block, then the root), takes one AdamW step per batch of `batches` ({"steps": [[rank 0's
@@ -200,11 +215,10 @@ def fsdp2_steps(rank: int, world: int, port: int, config: dict, weights: str, ba
         record["weights"] = full_state_dict(model)
         if rank == 0:
             torch.save(record, out)
-        # no rank tears gloo down while another still uses it: without this a rank that left early aborted
-        # ("terminate called without an active exception", SIGABRT) about once in a CI run
-        dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_process_group()
 
 
 def family_fsdp2_steps(rank: int, world: int, port: int, family_name: str, config: dict, options: dict,
@@ -249,9 +263,10 @@ def family_fsdp2_steps(rank: int, world: int, port: int, family_name: str, confi
                                       for key, value in full_state_dict(module).items()})
         if rank == 0:
             torch.save(record, out)
-        dist.barrier()  # no rank tears gloo down while another still uses it
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    leave_process_group()
 
 
 if __name__ == "__main__":
