@@ -3,6 +3,7 @@ ranks by the stream, resumable mid-epoch, and checked against the model and toke
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import lightning as L
@@ -72,6 +73,8 @@ class FusionDataModule(L.LightningDataModule):
         self.vocab, self.image_tokenizer = vocab, image_tokenizer
         self.image_features = image_features
         self._checked = None  # the model config `check` last accepted
+        # the loaders made, closed at teardown; weak, so a loader Lightning drops (reloaded each epoch) is freed
+        self._loaders: weakref.WeakSet = weakref.WeakSet()
 
     def setup(self, stage: str) -> None:
         """Start-up validation against the model (runs on every rank before the first batch)."""
@@ -125,8 +128,15 @@ class FusionDataModule(L.LightningDataModule):
                                    token_keys="token_keys" in wanted, accumulate=window,
                                    shuffle_window=self.shuffle_window)
         # training: a damaged shard reaches the step as a flagged batch, which stops every rank at that step
-        return make_dataloader(stream, num_workers=num_workers, window=window,
-                               count=getattr(module, "window_denominators", None), share_errors=training)
+        loader = make_dataloader(stream, num_workers=num_workers, window=window,
+                                 count=getattr(module, "window_denominators", None), share_errors=training)
+        self._loaders.add(loader)
+        return loader
+
+    def teardown(self, stage: str) -> None:
+        """End the background shard checks of every loader made (none outlives the run that read it)."""
+        for loader in list(self._loaders):
+            loader.close()
 
     def train_dataloader(self):
         """Training loader (its state_dict travels in Lightning checkpoints: exact mid-epoch resume); with gradient

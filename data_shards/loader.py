@@ -76,6 +76,10 @@ or late (shrinking job): `align_batch_progress` in the training layer does that.
             self._consumed += 1  # counted as handed over: read-ahead batches are not yet consumed
             yield batch
 
+    def close(self) -> None:
+        """End the stream's background shard checks (see `PackedTokenStream.close`)."""
+        self.dataset.close()
+
     def state_dict(self) -> dict:
         """(epoch, batches consumed) plus a signature of the batch layout."""
         return self.dataset.position_state(self._epoch, self._consumed)

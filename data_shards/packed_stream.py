@@ -10,7 +10,9 @@ round-robin to DataLoader workers starting at the resume position.
 
 Integrity: a shard's files are size + sha256 checked (TokenShard's verify) the first time this process opens it,
 before any of its rows are used; making a batch also starts checking the new shards of the next batch this process
-will make in a background thread, so the hashing is mostly off the step's path. A failure raises ShardError naming the file; under the
+will make in a background thread, so the hashing is mostly off the step's path; `close()` (the data module's
+teardown), or dropping the stream, cancels the checks still queued. The features or latents of every piece fed are
+checked finite (the rule of `shards verify`). A failure raises ShardError naming the file; under the
 loader the failing rank hands the error to the training step as a flagged batch (`DATA_ERROR`), which shares it in
 the step's collective so every rank stops at the same step (`FusionLightningModule`).
 """
@@ -18,6 +20,7 @@ the step's collective so every rank stops at the same step (`FusionLightningModu
 from __future__ import annotations
 
 import os
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,6 +42,13 @@ __all__ = ["DATA_ERROR", "PackedTokenStream", "document_causal_mask"]
 # shares it with every rank before raising.
 DATA_ERROR = "data_error"
 _EXTRA_TABLES = 2  # shard tables kept beyond those of the windows in use (a stream crossing a window edge)
+
+
+def _stop_checks(checker: ThreadPoolExecutor, pid: int) -> None:
+    """Cancel a stream's queued shard checks, so its verifier thread ends after the one running; never waits (it runs
+    when the garbage collector drops a stream, possibly in that very thread). A forked child has not the thread."""
+    if os.getpid() == pid:
+        checker.shutdown(wait=False, cancel_futures=True)
 
 
 def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
@@ -129,13 +139,16 @@ class PackedTokenStream(EpochLayout, IterableDataset):
         self._tables: OrderedDict[int, tuple[TokenShard, ShardRows]] = OrderedDict()  # shard -> its rows
         self._checks: dict[int, Future] = {}  # shard -> background verification (returns the opened TokenShard)
         self._checker: ThreadPoolExecutor | None = None
+        # cancels the queued checks when this stream is dropped: a dropped executor's thread would run them all first
+        self._stop_checker: weakref.finalize | None = None
         self._verified: set[int] = set()  # shards whose files this process has checked
         self.shards_opened: list[int] = []  # shard indices this process verified and opened, in order
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         # the layout's caches too (_orders, _windows): a worker recomputes them
-        for key in ("_orders", "_windows", "_tables", "_checks", "_checker", "_verified", "shards_opened"):
+        for key in ("_orders", "_windows", "_tables", "_checks", "_checker", "_stop_checker", "_verified",
+                    "shards_opened"):
             state.pop(key, None)  # memmaps, threads and locks are made again in the worker, never copied
         return state
 
@@ -149,6 +162,7 @@ class PackedTokenStream(EpochLayout, IterableDataset):
         if shard not in self._checks:
             if self._checker is None:
                 self._checker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-verify")
+                self._stop_checker = weakref.finalize(self, _stop_checks, self._checker, self._pid)
             # hashed once per process: a shard reopened after its table was dropped is not hashed again
             verify = shard not in self._verified
             future = self._checker.submit(TokenShard, self.token_dir, self.shard_names[shard], self.vocab_size, verify)
@@ -156,6 +170,20 @@ class PackedTokenStream(EpochLayout, IterableDataset):
                 future.result()
             self._checks[shard] = future
         return self._checks[shard]
+
+    def close(self) -> None:
+        """End the background checks (the queued ones are cancelled, the running one is waited for: at most one
+        shard's hash) and drop the open shards' tables; iterating again starts afresh, without hashing again."""
+        if self._pid != os.getpid():  # a forked worker's copy: its parent's thread is not its own
+            self._reset_process_state()
+            return
+        checker, stop = self._checker, self._stop_checker
+        if checker is not None and stop is not None:
+            stop()  # cancels the queued checks (once; a later drop of this stream does nothing more)
+            checker.shutdown(wait=True)
+        self._checker = self._stop_checker = None
+        self._checks.clear()
+        self._tables.clear()
 
     def _table(self, shard: int) -> tuple[TokenShard, ShardRows]:
         """A shard's open files and rows, its files verified before first use."""

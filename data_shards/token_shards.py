@@ -278,7 +278,8 @@ class TokenShard:
         ids_path, offsets_path = self.path(".ids.npy"), self.path(".offsets.npy")
         self.meta = read_shard_meta(self.token_dir, name)
         if self.meta is None:
-            raise ShardError(f"{self.path('.meta.json')}: missing (or {ids_path.name} missing); {_REMEDY}")
+            missing = ids_path if not ids_path.is_file() else self.path(".meta.json")  # name the one that is gone
+            raise ShardError(f"{missing}: missing; {_REMEDY}")
         loading = ids_path
         try:
             self.ids = np.load(ids_path, mmap_mode="r", allow_pickle=False)
@@ -364,7 +365,23 @@ class TokenShard:
         ids = self.ids[doc_start:stop]
         is_image = image_position_mask(ids, image_offset, image_codes, placeholder_id)
         first = int(self._feature_start[document]) + int(is_image[: start - doc_start].sum())
-        return self._features[first : first + int(is_image[start - doc_start :].sum())]
+        rows = self._features[first : first + int(is_image[start - doc_start :].sum())]
+        # checksums only say the bytes are those written: NaN written by a broken encoder would reach the loss
+        self._refuse_nonfinite(rows, first, placeholder_id)
+        return rows
+
+    def _refuse_nonfinite(self, rows: np.ndarray, first_row: int, placeholder_id: int | None) -> None:
+        """Raise ShardError naming the document whose feature rows (`rows`, from row `first_row`) hold a NaN or an
+        infinity: the one finiteness rule of `shards verify` and of the stream."""
+        bad = np.flatnonzero(~np.isfinite(rows).all(axis=1))
+        if not bad.size:
+            return
+        row = first_row + int(bad[0])
+        document = int(np.searchsorted(self._feature_start, row, side="right") - 1)
+        what = "image features" if placeholder_id is None else "latent patches"
+        raise ShardError(f"shard {self.name}, document {document} (key {self.keys[document]!r}): its {what} hold a "
+                         f"NaN or an infinity (row {row} of {self.path(FEATURES_FILE)}); {_REMEDY}, and run "
+                         f"`train.py shards verify {self.token_dir}` to find every such shard")
 
     def check_features_finite(self, image_offset: int | None, image_codes: int | None,
                               placeholder_id: int | None = None) -> None:
@@ -375,13 +392,7 @@ class TokenShard:
         features = self._features
         step = max(1, _HASH_CHUNK // (2 * max(1, features.shape[1])))  # about 8 MB of float16 at a time
         for first in range(0, len(features), step):
-            chunk = np.asarray(features[first : first + step])
-            bad = np.flatnonzero(~np.isfinite(chunk).all(axis=1))
-            if bad.size:
-                row = first + int(bad[0])
-                document = int(np.searchsorted(self._feature_start, row, side="right") - 1)
-                raise ShardError(f"shard {self.name}, key {self.keys[document]!r}: its image features hold a NaN or "
-                                 f"an infinity (row {row} of {self.path(FEATURES_FILE)}); {_REMEDY}")
+            self._refuse_nonfinite(np.asarray(features[first : first + step]), first, placeholder_id)
 
     def __len__(self) -> int:
         """Documents in the shard."""

@@ -57,9 +57,11 @@ def make_token_dir(path: Path, n_docs: int = 40, vocab_size: int = 256, seed: in
 LATENT = {"boi_id": 3, "eoi_id": 4, "image_placeholder_id": 6, "channels": 4, "grid": [2, 2]}
 
 
-def make_latent_token_dir(path: Path, n_docs: int = 40, vocab_size: int = 256, seed: int = 0, shards: int = 2) -> Path:
+def make_latent_token_dir(path: Path, n_docs: int = 40, vocab_size: int = 256, seed: int = 0, shards: int = 2,
+                          nan_row: int | None = None) -> Path:
     """Token shards of continuous-image documents (Transfusion's): random text (ids >= 16) with 0-2 images of
-    <boi>, 4 <image> placeholders, <eoi>, and random latent patches beside the ids, with a valid manifest."""
+    <boi>, 4 <image> placeholders, <eoi>, and random latent patches beside the ids, with a valid manifest.
+    nan_row: this latent row of shard-000 is NaN, under valid checksums (what only a finiteness check finds)."""
     from data_shards.token_shards import LATENT_KIND, write_manifest, write_token_shard
 
     rng = np.random.default_rng(seed)
@@ -77,6 +79,8 @@ def make_latent_token_dir(path: Path, n_docs: int = 40, vocab_size: int = 256, s
                 rows += patches
             docs.append(doc)
         latents = rng.standard_normal((rows, LATENT["channels"])).astype(np.float16)
+        if s == 0 and nan_row is not None:
+            latents[nan_row, 0] = np.nan
         keys = [f"s{s}-d{i}" for i in range(len(docs))]
         metas.append(write_token_shard(path, f"shard-{s:03d}", keys, docs, info, features=latents))
     write_manifest(path, {**info, "pad_id": 0, "bos_id": 1, "eos_id": 2, "boi_id": LATENT["boi_id"],
