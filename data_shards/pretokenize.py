@@ -8,12 +8,13 @@ part of this module's API (`__all__`), imported from those.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from datetime import timedelta
 from pathlib import Path
 
@@ -175,6 +176,25 @@ def _run_in_worker(raw_path: Path, out_dir: Path, info: dict, batch_size: int, r
                           raw_sha256)
 
 
+def _no_empty_out_dir_on_error(function: Callable[..., dict]) -> Callable[..., dict]:
+    """`function(raw_dir, out_dir, ...)` that, when it fails, removes `out_dir` again if it made it and left it
+    empty: a refused run leaves no empty folder, while finished shards stay for the next run to resume from."""
+
+    @functools.wraps(function)
+    def wrapper(raw_dir: str | Path, out_dir: str | Path, *args, **kwargs) -> dict:
+        created = not Path(out_dir).exists()
+        try:
+            return function(raw_dir, out_dir, *args, **kwargs)
+        except BaseException:
+            if created:
+                with suppress(OSError):  # not empty (a finished shard, another rank's files) or already gone
+                    Path(out_dir).rmdir()
+            raise
+
+    return wrapper
+
+
+@_no_empty_out_dir_on_error
 def pretokenize(
     raw_dir: str | Path,
     out_dir: str | Path,

@@ -99,22 +99,26 @@ class RawShardWriter:
         self._tar: tarfile.TarFile | None = None
         self._shard_files: ExitStack | None = None  # the open tar inside common.files.atomic_path
         self._current: dict | None = None
+        self._created_dir = False
         self.manifest: dict | None = None
 
     def __enter__(self) -> RawShardWriter:
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         if (self.out_dir / MANIFEST).exists():
             raise FileExistsError(f"{self.out_dir} already holds raw shards ({MANIFEST}); choose an empty directory")
+        self._created_dir = not self.out_dir.exists()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             if self.manifest is None:
                 self.close()
-        else:  # leave no half-written shard behind
+        else:  # leave no half-written shard behind, nor an empty folder this writer made
             if self._tar is not None:
                 self._shard_files.__exit__(exc_type, exc, tb)  # closes the tar and removes its temporary file
                 self._tar, self._shard_files = None, None
+            if self._created_dir and not any(self.out_dir.iterdir()):
+                self.out_dir.rmdir()
 
     def _open_shard(self) -> None:
         name = f"{self.prefix}-{len(self.shards):06d}.tar"

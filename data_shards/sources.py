@@ -19,7 +19,15 @@ from PIL import Image
 
 from data_shards.raw import IMAGE_EXTENSIONS, RawShardWriter, VideoFile, iter_tar_samples, safe_key
 from tokenizer.image.preprocess import ImageLoadError, open_image
-from tokenizer.video.clips import VIDEO_SUFFIXES, ClipLoadError, list_clip_files, read_clip
+from tokenizer.video.clips import (
+    CLIP_SUFFIXES,
+    FRAME_SUFFIXES,
+    VIDEO_SUFFIXES,
+    ClipLoadError,
+    list_clip_files,
+    probe_video,
+    read_clip,
+)
 
 
 @dataclass
@@ -75,12 +83,40 @@ def _sidecar_caption(key: str, path: Path, caption_path: Path, require_caption: 
     return None
 
 
+def _nothing_found(flag: str, root: Path, wanted: str, kinds: str, other_suffixes: tuple[str, ...],
+                   other_flag: str) -> str:
+    """The refusal of a media folder with nothing of its kind: what it holds instead (the commonest suffixes, and
+    the flag for files of the other kind), so a wrong flag is not a silent run of 0 documents."""
+    suffixes: dict[str, int] = {}
+    for path in root.rglob("*"):
+        if path.is_file() and path.suffix.lower() != ".txt":  # captions are in every folder of either kind
+            suffix = path.suffix.lower() or "(no suffix)"
+            suffixes[suffix] = suffixes.get(suffix, 0) + 1
+    if not suffixes:
+        return f"{flag} {root}: no {wanted} found ({kinds}); it holds no files (besides .txt captions)"
+    common = sorted(suffixes.items(), key=lambda item: (-item[1], item[0]))[:3]
+    held = ", ".join(f"{count} {suffix} files" for suffix, count in common)
+    other = [suffix for suffix, _ in common if suffix in other_suffixes]
+    hint = f": use {other_flag}" if other else ""
+    return f"{flag} {root}: no {wanted} found ({kinds}); it holds {held}{hint}"
+
+
 def image_folder(root: str | Path, require_caption: bool = True) -> Iterator[Sample]:
-    """Images under `root` (recursive) with sidecar captions `NAME.txt`: documents [caption, image]."""
+    """Images under `root` (recursive) with sidecar captions `NAME.txt`: documents [caption, image]. A folder
+    without any image file is refused here, at the call, so nothing is written."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"image folder {root} does not exist")
     named = sorted(p for p in root.rglob("*") if p.suffix.lower().lstrip(".") in IMAGE_EXTENSIONS)
+    if not named:
+        kinds = ", ".join(f".{ext}" for ext in sorted(IMAGE_EXTENSIONS))
+        raise ValueError(_nothing_found("--image-folder", root, "images", kinds, CLIP_SUFFIXES,
+                                        "--video-folder for clips"))
+    return _image_samples(root, named, require_caption)
+
+
+def _image_samples(root: Path, named: list[Path], require_caption: bool) -> Iterator[Sample]:
+    """The documents (or skips) of `image_folder`'s files, one at a time."""
     for path in named:
         key = safe_key(str(path.relative_to(root).with_suffix("")))
         if not path.is_file():
@@ -101,29 +137,44 @@ def image_folder(root: str | Path, require_caption: bool = True) -> Iterator[Sam
 def _clip_or_skip(key: str, path: Path, min_frames: int) -> VideoFile | np.ndarray | Sample:
     """The clip at `path` decoded once (so a bad one is a skip here, not an error at tokenize time): a video file
     as its original bytes (`VideoFile`), a `.npy` array or a folder of frames as its frames; or the skip."""
+    video_file = path.is_file() and path.suffix.lower() in VIDEO_SUFFIXES
+    frames = None
     try:
-        frames = read_clip(path)
+        if video_file:  # stored as its bytes: checked frame by frame, so memory stays at one frame's, not the clip's
+            count = probe_video(path)[0]
+        else:
+            frames = read_clip(path)
+            count = frames.shape[0]
     except ClipLoadError as err:
         return Sample(key, skip_reason=str(err))
-    if frames.shape[0] < min_frames:
-        return Sample(key, skip_reason=f"{path}: {frames.shape[0]} frames, fewer than --min-clip-frames "
+    if count < min_frames:
+        return Sample(key, skip_reason=f"{path}: {count} frames, fewer than --min-clip-frames "
                                        f"{min_frames}; remove it or lower the minimum")
-    if path.is_file() and path.suffix.lower() in VIDEO_SUFFIXES:
-        return VideoFile(path.read_bytes(), path.suffix.lower())
-    return frames
+    return VideoFile(path.read_bytes(), path.suffix.lower()) if video_file else frames
 
 
 def video_folder(root: str | Path, require_caption: bool = True, min_frames: int = 1) -> Iterator[Sample]:
     """Clips under `root` (recursive; `tokenizer.video.clips.list_clip_files`: `.npy` arrays, `.mp4`/`.webm`/...
     files, folders of PNG/JPEG frames) with sidecar captions `NAME.txt` (`clip.mp4` + `clip.txt`, folder `clip/`
     + `clip.txt`): documents [caption, clip]. Undecodable clips, and clips of fewer than `min_frames` frames, are
-    skips."""
+    skips; a folder without any clip is refused here, at the call, so nothing is written."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"video folder {root} does not exist")
     if min_frames < 1:
         raise ValueError(f"min_frames must be at least 1, got {min_frames}")
-    for path in list_clip_files(root):
+    clips = list_clip_files(root)
+    if not clips:
+        image_suffixes = tuple(f".{ext}" for ext in IMAGE_EXTENSIONS)
+        kinds = f"{', '.join(CLIP_SUFFIXES)} files, or subfolders of {'/'.join(FRAME_SUFFIXES)} frames"
+        raise ValueError(_nothing_found("--video-folder", root, "clips", kinds, image_suffixes,
+                                        "--image-folder for images, or put each clip's frames in a subfolder"))
+    return _video_samples(root, clips, require_caption, min_frames)
+
+
+def _video_samples(root: Path, clips: list[Path], require_caption: bool, min_frames: int) -> Iterator[Sample]:
+    """The documents (or skips) of `video_folder`'s clips, one at a time."""
+    for path in clips:
         relative = path.relative_to(root)
         stem = relative if path.is_dir() else relative.with_suffix("")
         key = safe_key(str(stem))

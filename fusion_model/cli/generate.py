@@ -196,6 +196,17 @@ def read_prompts(args: argparse.Namespace) -> list[list[Any]]:
     return prompts
 
 
+def check_prompt_images(prompts: list[list[Any]]) -> None:
+    """Open every prompt image (--image, --prompts-file) as the tokenizers' preprocessing does, before the model
+    loads: a missing, unreadable, too small or too large one is one line naming its file."""
+    from tokenizer.image.preprocess import open_image
+
+    for prompt in prompts:
+        for segment in prompt:
+            if isinstance(segment, Path):
+                open_image(segment, name=f"prompt image {segment}")
+
+
 def sampling_config(args: argparse.Namespace, config_class: type[SamplingConfig] = SamplingConfig) -> SamplingConfig:
     """`config_class` (the checkpoint's family's sampling settings) from the options: its defaults, or Chameleon's
     with --chameleon-defaults, with every option given on top."""
@@ -216,7 +227,9 @@ def run(args: argparse.Namespace, config_class: type[SamplingConfig] = SamplingC
     if args.num_samples < 1 or args.batch_size < 1:
         raise ValueError("--num-samples and --batch-size must be at least 1")
     config = sampling_config(args, config_class)  # checked before the model loads
-    prompts = [p for p in read_prompts(args) for _ in range(args.num_samples)]
+    prompts = read_prompts(args)
+    check_prompt_images(prompts)
+    prompts = [p for p in prompts for _ in range(args.num_samples)]
     dtype = getattr(torch, args.dtype)
     loaded = load_family(args.checkpoint)  # any family's checkpoint; the family says how it samples
     for part in loaded.parts.values():

@@ -53,7 +53,8 @@ def _name_of(source: ImageSource, name: str | None) -> str:
     return getattr(source, "filename", None) or "<PIL image>"
 
 
-def _check_size(width: int, height: int, name: str) -> None:
+def check_image_size(width: int, height: int, name: str) -> None:
+    """Refuse a picture (an image, or a clip's frames) outside the size policy above, naming `name`."""
     if width * height > MAX_PIXELS:
         raise ImageLoadError(
             f"{name}: {width}x{height} pixels exceeds the limit of {MAX_PIXELS:,} (possible decompression "
@@ -118,7 +119,7 @@ def open_image(source: ImageSource, name: str | None = None) -> Image.Image:
                 f"{label}: unsupported image source type {type(source).__name__}; "
                 "pass a path, bytes or a PIL image."
             )
-        _check_size(*img.size, label)
+        check_image_size(*img.size, label)
         if getattr(img, "n_frames", 1) > 1:
             img.seek(0)  # policy: the first frame of an animation
         with warnings.catch_warnings():

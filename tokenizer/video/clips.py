@@ -2,20 +2,27 @@
 (T, H, W, 3); write animated GIF / MP4; a strip of frames for HTML pages.
 
 Video files are decoded with PyAV (FFmpeg inside the wheel), never `torchvision.io.read_video` (removed from
-current torchvision). `.npy` clips are loaded with `allow_pickle=False`: an array of objects is refused.
+current torchvision). `.npy` clips are loaded with `allow_pickle=False`: an array of objects is refused, and the
+header is checked first (dtype, shape, bytes present, MAX_CLIP_BYTES) so a lying header allocates nothing. Frames
+follow the images' size policy (`tokenizer.image.preprocess.check_image_size`: at least MIN_SIDE px a side).
 """
 
 from __future__ import annotations
 
 import io
+import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, closing
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
+import numpy.lib.format as npy_format
 from PIL import Image
 
 from common.files import atomic_path
+from tokenizer.image.preprocess import ImageLoadError, check_image_size
 
 # Video containers PyAV decodes here (their original bytes are what raw shards store).
 VIDEO_SUFFIXES = (".mp4", ".webm", ".mkv", ".mov", ".avi")
@@ -41,71 +48,131 @@ def _label(source: ClipSource, name: str | None) -> str:
     return str(source)
 
 
-def _as_clip(array: np.ndarray, label: str) -> np.ndarray:
-    """Check and normalise an array to uint8 (T, H, W, 3): grey (T, H, W) and (T, H, W, 1) are repeated to RGB."""
-    if array.dtype != np.uint8:
+def _check_layout(dtype: np.dtype, shape: tuple[int, ...], label: str) -> None:
+    """Refuse a clip array of another dtype or layout than uint8 (T, H, W, 3), (T, H, W, 1) or (T, H, W), or an
+    empty one: from the array, or from a .npy header before anything is loaded."""
+    if dtype != np.uint8:
         raise ClipLoadError(
-            f"{label}: clip arrays must be uint8 (T, H, W, 3) or (T, H, W) grey, got dtype {array.dtype}; "
+            f"{label}: clip arrays must be uint8 (T, H, W, 3) or (T, H, W) grey, got dtype {dtype}; "
             "convert it (e.g. (x * 255).round().astype(np.uint8)) and save it again"
         )
+    if not (len(shape) == 3 or (len(shape) == 4 and shape[-1] in (1, 3))):
+        raise ClipLoadError(
+            f"{label}: clip arrays must have shape (T, H, W, 3) or (T, H, W), got {tuple(shape)}; "
+            "save the frames in that layout"
+        )
+    if min(shape[:3]) < 1:
+        raise ClipLoadError(f"{label}: empty clip (shape {tuple(shape)}); remove it")
+
+
+def _check_frame_size(width: int, height: int, label: str) -> None:
+    """Frames follow the images' size policy (`tokenizer.image.preprocess.check_image_size`): a frame the image
+    path would refuse is refused here, naming the clip, rather than failing unnamed inside the tokenizer."""
+    try:
+        check_image_size(width, height, f"{label} (frames)")
+    except ImageLoadError as err:
+        raise ClipLoadError(str(err)) from err
+
+
+def _as_clip(array: np.ndarray, label: str) -> np.ndarray:
+    """Check and normalise an array to uint8 (T, H, W, 3): grey (T, H, W) and (T, H, W, 1) are repeated to RGB."""
+    _check_layout(array.dtype, array.shape, label)
     if array.ndim == 4 and array.shape[-1] == 1:
         array = array[..., 0]
     if array.ndim == 3:
         array = np.repeat(array[..., None], 3, axis=-1)
-    if array.ndim != 4 or array.shape[-1] != 3:
-        raise ClipLoadError(
-            f"{label}: clip arrays must have shape (T, H, W, 3) or (T, H, W), got {tuple(array.shape)}; "
-            "save the frames in that layout"
-        )
-    if min(array.shape[:3]) < 1:
-        raise ClipLoadError(f"{label}: empty clip (shape {tuple(array.shape)}); remove it")
     return np.ascontiguousarray(array)
 
 
-def _read_npy(source: ClipSource, label: str) -> np.ndarray:
+def _check_npy_header(handle: BinaryIO, available: int, label: str) -> None:
+    """Read a .npy header and refuse, before any allocation, what loading would refuse or could not hold: objects
+    (never unpickled), another dtype or layout, more pixels than MAX_CLIP_BYTES, more bytes than the file has, or
+    frames under the images' minimum. `available` is the file's size; the handle is left after the header."""
+    if handle.read(4) == b"PK\x03\x04":  # np.savez's zip archive under a .npy name
+        raise ClipLoadError(f"{label}: a .npz archive, not a single .npy array; save one uint8 array with np.save")
+    handle.seek(0)
     try:
-        handle = io.BytesIO(source) if isinstance(source, bytes) else source
-        array = np.load(handle, allow_pickle=False)
-    except ValueError as err:
-        if "allow_pickle" in str(err) or "pickle" in str(err).lower():
-            raise ClipLoadError(
-                f"{label}: holds pickled Python objects, which are never loaded; "
-                "save a plain uint8 array (np.save(path, frames)) instead"
-            ) from err
+        version = npy_format.read_magic(handle)
+        if version == (1, 0):
+            shape, _, dtype = npy_format.read_array_header_1_0(handle)
+        elif version == (2, 0):
+            shape, _, dtype = npy_format.read_array_header_2_0(handle)
+        else:
+            raise ClipLoadError(f"{label}: .npy format version {version[0]}.{version[1]} is not read here; save it "
+                                "again with np.save")
+    except ClipLoadError:
+        raise
+    except (ValueError, OSError, EOFError) as err:
         raise ClipLoadError(f"{label}: not a readable .npy array ({err}); save it again with np.save") from err
-    except (OSError, EOFError) as err:
-        raise ClipLoadError(f"{label}: truncated or corrupt .npy file ({err}); save it again with np.save") from err
-    if not isinstance(array, np.ndarray):  # np.load returns an NpzFile for .npz bytes
-        raise ClipLoadError(f"{label}: not a single .npy array; save one uint8 array with np.save")
+    if dtype.hasobject:
+        raise ClipLoadError(f"{label}: holds pickled Python objects, which are never loaded; "
+                            "save a plain uint8 array (np.save(path, frames)) instead")
+    _check_layout(dtype, shape, label)
+    frames, height, width = (int(side) for side in shape[:3])
+    if frames * height * width * 3 > MAX_CLIP_BYTES:  # as RGB: grey frames are repeated to 3 channels
+        raise ClipLoadError(f"{label}: its header claims shape {tuple(shape)}, more than {MAX_CLIP_BYTES >> 30} GiB "
+                            "of pixels; cut it into clips")
+    claimed = math.prod(int(side) for side in shape) * dtype.itemsize
+    left = available - handle.tell()
+    if claimed > left:
+        raise ClipLoadError(f"{label}: truncated: its header claims shape {tuple(shape)} ({claimed:,} bytes) but "
+                            f"{max(left, 0):,} bytes follow; save it again with np.save")
+    _check_frame_size(width, height, label)
+
+
+def _read_npy(source: ClipSource, label: str) -> np.ndarray:
+    with ExitStack() as stack:
+        if isinstance(source, bytes):
+            handle, available = io.BytesIO(source), len(source)
+        else:
+            handle = stack.enter_context(open(source, "rb"))
+            available = os.fstat(handle.fileno()).st_size
+        _check_npy_header(handle, available, label)
+        handle.seek(0)
+        try:
+            array = np.load(handle, allow_pickle=False)
+        except ValueError as err:
+            raise ClipLoadError(f"{label}: not a readable .npy array ({err}); save it again with np.save") from err
+        except (OSError, EOFError) as err:
+            raise ClipLoadError(f"{label}: truncated or corrupt .npy file ({err}); save it again with np.save") from err
     return _as_clip(array, label)
 
 
-def _read_video(source: ClipSource, label: str, max_frames: int | None) -> np.ndarray:
+def _check_not_empty(source: ClipSource, label: str) -> None:
+    """Refuse a zero-byte clip file (or bytes) in plain words, before a decoder reports it in its own."""
+    if (len(source) if isinstance(source, bytes) else Path(source).stat().st_size) == 0:
+        raise ClipLoadError(f"{label}: empty file (0 bytes); remove it or write it again")
+
+
+def _video_frames(source: ClipSource, label: str, pixels: bool) -> Iterator[np.ndarray | tuple[int, int]]:
+    """A video file's frames decoded one at a time (uint8 (H, W, 3) with `pixels`, else only checked: their
+    (height, width)), so memory is one frame's whatever the length. Every frame must have the first one's size,
+    within the images' size policy, and the clip at most MAX_CLIP_BYTES of RGB pixels; anything else is a
+    `ClipLoadError`."""
     import av
 
-    frames: list[np.ndarray] = []
-    total = 0
+    first: tuple[int, int] | None = None
+    count = total = 0
     try:
         handle = io.BytesIO(source) if isinstance(source, bytes) else str(source)
         with av.open(handle, mode="r") as container:
             if not container.streams.video:
                 raise ClipLoadError(f"{label}: the file has no video stream; remove it or re-encode it")
-            stream = container.streams.video[0]
-            for frame in container.decode(stream):
-                pixels = frame.to_ndarray(format="rgb24")
-                if frames and pixels.shape != frames[0].shape:
-                    raise ClipLoadError(
-                        f"{label}: frame {len(frames)} is {pixels.shape[1]}x{pixels.shape[0]}, the first "
-                        f"{frames[0].shape[1]}x{frames[0].shape[0]}; re-encode it at one size"
-                    )
-                total += pixels.nbytes
+            for frame in container.decode(container.streams.video[0]):
+                size = (frame.width, frame.height)
+                if first is None:
+                    first = size
+                    _check_frame_size(*size, label)
+                elif size != first:
+                    raise ClipLoadError(f"{label}: frame {count} is {size[0]}x{size[1]}, the first "
+                                        f"{first[0]}x{first[1]}; re-encode it at one size")
+                total += size[0] * size[1] * 3
                 if total > MAX_CLIP_BYTES:
                     raise ClipLoadError(
                         f"{label}: decodes to more than {MAX_CLIP_BYTES >> 30} GiB of pixels; cut it into clips"
                     )
-                frames.append(pixels)
-                if max_frames is not None and len(frames) >= max_frames:
-                    break
+                count += 1
+                yield frame.to_ndarray(format="rgb24") if pixels else (size[1], size[0])
     except ClipLoadError:
         raise
     except (av.FFmpegError, OSError, ValueError, EOFError, IndexError) as err:
@@ -113,18 +180,43 @@ def _read_video(source: ClipSource, label: str, max_frames: int | None) -> np.nd
             f"{label}: truncated, corrupt or undecodable video ({type(err).__name__}: {err}); "
             "re-download or re-encode it (e.g. ffmpeg -i IN -c:v libx264 OUT.mp4)"
         ) from err
-    if not frames:
+    if not count:
         raise ClipLoadError(f"{label}: no video frame could be decoded (truncated or empty); re-encode it")
+
+
+def _read_video(source: ClipSource, label: str, max_frames: int | None) -> np.ndarray:
+    frames: list[np.ndarray] = []
+    with closing(_video_frames(source, label, pixels=True)) as decoded:
+        for pixels in decoded:
+            frames.append(pixels)
+            if max_frames is not None and len(frames) >= max_frames:
+                break
     return np.stack(frames)
+
+
+def probe_video(source: ClipSource, name: str | None = None) -> tuple[int, int, int]:
+    """(frames, height, width) of a video file (a path or its bytes), decoding every frame to check it but
+    holding one at a time; a `ClipLoadError` naming it where `read_clip` would refuse it."""
+    label = _label(source, name)
+    _check_not_empty(source, label)
+    count, last = 0, (0, 0)
+    for size in _video_frames(source, label, pixels=False):
+        count, last = count + 1, size
+    return count, *last
 
 
 def _decode_frames(frames: list[tuple[str, object]], label: str) -> np.ndarray:
     """(frame name, path or bytes) pairs in order as one uint8 (T, H, W, 3) clip; all frames need one size."""
     decoded: list[np.ndarray] = []
+    total = 0
     for frame_name, source in frames:
         try:
             with Image.open(io.BytesIO(source) if isinstance(source, bytes) else source) as image:
+                if not decoded:  # from the header, before the first frame's pixels are decoded
+                    _check_frame_size(*image.size, label)
                 decoded.append(np.asarray(image.convert("RGB")))
+        except ClipLoadError:
+            raise
         except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as err:
             raise ClipLoadError(
                 f"{label}: frame {frame_name} is truncated or not an image ({type(err).__name__}: {err}); "
@@ -135,6 +227,10 @@ def _decode_frames(frames: list[tuple[str, object]], label: str) -> np.ndarray:
                 f"{label}: frame {frame_name} is {decoded[-1].shape[1]}x{decoded[-1].shape[0]}, frame "
                 f"{frames[0][0]} {decoded[0].shape[1]}x{decoded[0].shape[0]}; all frames need one size"
             )
+        total += decoded[-1].nbytes
+        if total > MAX_CLIP_BYTES:
+            raise ClipLoadError(f"{label}: its frames hold more than {MAX_CLIP_BYTES >> 30} GiB of pixels; cut it "
+                                "into clips")
     if not decoded:
         raise ClipLoadError(f"{label}: a clip needs at least one frame")
     return np.stack(decoded)
@@ -175,6 +271,7 @@ def read_clip(
         suffix = suffix or path.suffix
     else:
         raise ClipLoadError(f"{label}: unsupported clip source {type(source).__name__}; pass a path or bytes")
+    _check_not_empty(source, label)
     suffix = suffix.lower() if suffix.startswith(".") else f".{suffix.lower()}"
     if suffix == ".npy":
         clip = _read_npy(source, label)
