@@ -38,6 +38,49 @@ def ranks_of(ranks: list[int], world_size: int) -> str:
     return f"rank {ranks[0]} of {world_size} has" if len(ranks) == 1 else f"ranks {_ranks(ranks)} of {world_size} have"
 
 
+# The `shards tokenize` flag of a header field, where the advice to rerun a rank can name one.
+_FLAGS = {"seed": "--seed", "flip_probability": "--flip-probability"}
+# At most this many files are listed by name in the advice to delete a rank's shards (the rest are counted).
+MAX_LISTED_FILES = 20
+
+
+def _differing_fields(headers: list[dict]) -> list[str]:
+    """The header fields on which the parts' headers disagree, in the first header's order."""
+    keys = list(dict.fromkeys(key for header in headers for key in header))
+    return [key for key in keys if len({json.dumps(h.get(key), sort_keys=True) for h in headers}) > 1]
+
+
+def _values(header: dict, fields: list[str]) -> str:
+    """" (seed 5, flip_probability 0.5)": a part's values of the fields that differ (long fingerprints cut)."""
+    if not fields:
+        return ""
+    shown = [f"{key} {str(header.get(key))[:16]}" for key in fields]
+    return f" ({', '.join(shown)})"
+
+
+def _redo_advice(token_dir: Path, parts: list[dict], groups: list[list[int]], world_size: int,
+                 differing: list[str]) -> str:
+    """What makes the merge work: keep the largest group of agreeing ranks (rank 0's on a tie), delete the other
+    ranks' parts and the metas of their shards (a shard without its meta counts as unfinished, so a rerun redoes it
+    instead of refusing its settings), and run those ranks again with the kept ranks' data and settings."""
+    keep = max(groups, key=len)
+    stale = sorted(rank for ranks in groups if ranks is not keep for rank in ranks)
+    files = [token_dir / part_name(rank, world_size) for rank in stale]
+    metas = [token_dir / f"{item['entry']['name']}.meta.json" for rank in stale for item in parts[rank]["shards"]]
+    files += [path for path in metas if path.is_file()]
+    listed = " ".join(str(path) for path in files[:MAX_LISTED_FILES])
+    more = (f" and the other {len(files) - MAX_LISTED_FILES} shard metas their parts list" if len(files) >
+            MAX_LISTED_FILES else "")
+    kept = parts[keep[0]]["header"]
+    like = ", ".join(f"{_FLAGS[key]} {kept.get(key)}" if key in _FLAGS else f"{key} {str(kept.get(key))[:16]}"
+                     for key in differing) or "the same raw directory and settings"
+    flags = f"--rank {stale[0]}" if len(stale) == 1 else "--rank R"
+    others = f"rank {_ranks(stale)}" if len(stale) == 1 else f"ranks {_ranks(stale)}"
+    return (f"To keep rank {_ranks(keep)}'s part: delete {listed}{more}; then run `train.py shards tokenize` for "
+            f"{others} again ({flags} --world-size {world_size}) with {like}, as rank {_ranks(keep)} did (to keep "
+            f"{others}'s instead, do the same for rank {_ranks(keep)})")
+
+
 def merge_parts(token_dir: str | Path, world_size: int | None = None) -> dict:
     """Write `manifest.json` from the per-rank parts of a split tokenize; returns it. The same bytes as a
     one-process run writes: the same header, the shards in the raw manifest's order.
@@ -85,10 +128,11 @@ def merge_parts(token_dir: str | Path, world_size: int | None = None) -> dict:
             encoders = {" ".join(str(h.get(f)) for f in ENCODER_FIELDS) for h in headers}
             if field == "header" and len(encoders) > 1:
                 what = f"images encoded on different devices or dtypes ({'; '.join(sorted(encoders))})"
-            split = "; ".join(f"rank {_ranks(ranks)}" for ranks in groups.values())
-            raise ShardError(f"{token_dir}: the {world_size} ranks' parts were written for {what}: {split}. Run "
-                             "the ranks whose part is stale again, with the same data, settings, device and dtype as "
-                             "the others (finished shards are skipped, others' codes redone)")
+            differing = _differing_fields(headers) if field == "header" else []
+            split = "; ".join(f"rank {_ranks(ranks)}" + _values(parts[ranks[0]]["header"], differing)
+                              for ranks in groups.values())
+            raise ShardError(f"{token_dir}: the {world_size} ranks' parts were written for {what}: {split}. "
+                             + _redo_advice(token_dir, parts, list(groups.values()), world_size, differing))
     entries: dict[int, dict] = {}
     for rank, part in enumerate(parts):
         for item in part["shards"]:

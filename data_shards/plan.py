@@ -298,8 +298,17 @@ def plan_path(token_dir: str | Path, seq_len: int, digest: str | None = None) ->
 
 
 def _manifest_stat(token_dir: Path) -> list[int]:
+    """What one stat of the manifest tells about its bytes. The inode and ctime too, not only size and mtime: a manifest
+    rewritten in place of the old one (a new file) or given back its old mtime (`cp -p`, `touch -r`) changes them."""
     stat = (token_dir / MANIFEST).stat()
-    return [stat.st_size, stat.st_mtime_ns]
+    return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino]
+
+
+def _index_checksum(stored: dict) -> str:
+    """sha256 of what the index asserts about the manifest (its digest, shard count and header): an index edited by
+    hand no longer matches it, and is made again from the manifest instead of being trusted."""
+    asserted = {key: stored.get(key) for key in ("manifest_sha256", "shards", "header")}
+    return hashlib.sha256(json.dumps(asserted, sort_keys=True).encode("utf-8")).hexdigest()
 
 
 def _atomic_save(path: Path, array: np.ndarray) -> None:
@@ -315,62 +324,79 @@ def write_index(token_dir: str | Path, manifest: dict | None = None) -> DatasetI
     manifest = read_manifest(token_dir) if manifest is None else manifest
     names = _encode_names(manifest)
     _atomic_save(token_dir / PLAN_DIR / NAMES_FILE, names)
-    header = {key: value for key, value in manifest.items() if key != "shards"}
-    atomic_write_json(index_path(token_dir), {"format": INDEX_FORMAT, "manifest_sha256": manifest_digest(token_dir),
-                                              "manifest_stat": _manifest_stat(token_dir), "shards": len(names),
-                                              "header": header}, indent=None)
-    index, why = _load_index(token_dir)
+    # as JSON will give it back, so that the checksum is that of what a reader loads
+    header = json.loads(json.dumps({key: value for key, value in manifest.items() if key != "shards"}, default=str))
+    _write_index_file(token_dir, {"format": INDEX_FORMAT, "manifest_sha256": manifest_digest(token_dir),
+                                  "manifest_stat": _manifest_stat(token_dir), "shards": len(names), "header": header})
+    index, why, _ = _load_index(token_dir)
     if index is None:  # the manifest changed while the index was written
         raise ShardError(f"{token_dir}: {why}; is another process writing the dataset?")
     return index
 
 
-def _load_index(token_dir: Path) -> tuple[DatasetIndex | None, str]:
-    """(index, "") when the stored index describes the manifest as it is now, else (None, why not)."""
+def _write_index_file(token_dir: Path, stored: dict) -> None:
+    """Write `index.json` (atomically) with the checksum of what it asserts."""
+    atomic_write_json(index_path(token_dir), {**stored, "index_sha256": _index_checksum(stored)}, indent=None)
+
+
+def _load_index(token_dir: Path) -> tuple[DatasetIndex | None, str, bool]:
+    """(index, "", False) when the stored index describes the manifest as it is now, else (None, why not, whether
+    that is worth a line at any shard count: an index edited or damaged since it was written)."""
     path = index_path(token_dir)
     if not path.is_file():
-        return None, f"{path} is missing"
+        return None, f"{path} is missing", path.exists()
     try:
         stored = json.loads(path.read_text())
         names = ShardNames(path.parent / NAMES_FILE)
     except (OSError, ValueError) as err:
-        return None, f"{path} is unreadable ({type(err).__name__}: {err})"
+        return None, f"{path} is unreadable ({type(err).__name__}: {err})", True
     if (not isinstance(stored, dict) or stored.get("format") != INDEX_FORMAT
             or not isinstance(stored.get("header"), dict) or not isinstance(stored.get("manifest_sha256"), str)):
-        return None, f"{path} is not a {INDEX_FORMAT} index"
+        return None, f"{path} is not a {INDEX_FORMAT} index", True
+    if "index_sha256" not in stored:  # written before indexes carried a checksum: made again, once
+        return None, f"{path} has no checksum (an older index)", False
+    if stored["index_sha256"] != _index_checksum(stored):
+        return None, f"{path} does not match its checksum (edited since `shards plan` or `fit` wrote it)", True
     if stored.get("shards") != len(names):
-        return None, f"{path} disagrees with the {NAMES_FILE} beside it"
-    # the manifest's size and mtime unchanged: the index holds (a stat, not a read of an O(shards) file); changed,
-    # its bytes decide (a copy or a rewrite with equal content keeps the index)
-    if stored.get("manifest_stat") != _manifest_stat(token_dir) and stored["manifest_sha256"] != manifest_digest(
-            token_dir):
-        return None, f"{path} was made from another {MANIFEST}"
-    return DatasetIndex(token_dir, stored["header"], names, stored["manifest_sha256"]), ""
+        return None, f"{path} disagrees with the {NAMES_FILE} beside it", True
+    # the manifest's stat unchanged: the index holds (a stat, not a read of an O(shards) file); changed, its bytes
+    # decide (a copy or a rewrite with equal content keeps the index, and its stat is brought up to date)
+    stat = _manifest_stat(token_dir)
+    if stored.get("manifest_stat") != stat:
+        if stored["manifest_sha256"] != manifest_digest(token_dir):
+            return None, f"{path} was made from another {MANIFEST}", False
+        try:  # so that the next start needs the stat alone again
+            _write_index_file(token_dir, {**{k: v for k, v in stored.items() if k != "index_sha256"},
+                                          "manifest_stat": stat})
+        except OSError:  # a read-only dataset: every start hashes the manifest (milliseconds to seconds)
+            pass
+    return DatasetIndex(token_dir, stored["header"], names, stored["manifest_sha256"]), "", False
 
 
 def read_index(token_dir: str | Path) -> DatasetIndex:
     """The index of `token_dir`, in O(1) plus a map of its names when it is fresh; when it is missing or stale, made
-    from the full manifest (one line on stderr says so from NOTICE_SHARDS shards on) and written back, or kept in
-    memory when the directory is read-only."""
+    from the full manifest (one line on stderr says so from NOTICE_SHARDS shards on, and at any count when the
+    index was edited or damaged) and written back, or kept in memory when the directory is read-only."""
     token_dir = Path(token_dir)
     if not (token_dir / MANIFEST).is_file():
         read_manifest(token_dir)  # raises its message: not a token shard directory, and what to run
-    index, why = _load_index(token_dir)
+    index, why, damaged = _load_index(token_dir)
     if index is not None:
         return index
     manifest = read_manifest(token_dir)
-    if len(manifest["shards"]) >= NOTICE_SHARDS:
-        print(f"dataset index: {why}; reading all {len(manifest['shards'])} shards of {token_dir / MANIFEST} (once: "
-              "it is written back)", file=sys.stderr, flush=True)
+    shards = len(manifest["shards"])
     try:
-        return write_index(token_dir, manifest)
+        index = write_index(token_dir, manifest)
+        kept = "written back"
     except OSError as err:  # a read-only dataset: the index lives in memory, made again at every start
-        if len(manifest["shards"]) >= NOTICE_SHARDS:
-            print(f"dataset index: cannot write {token_dir / PLAN_DIR} ({err}); every start will read the whole manifest "
-                  f"(run `train.py shards plan {token_dir} --seq-len N` where it can be written)", file=sys.stderr,
-                  flush=True)
-        return DatasetIndex(token_dir, {k: v for k, v in manifest.items() if k != "shards"},
-                            ShardNames(None, _encode_names(manifest)), manifest_digest(token_dir))
+        index = DatasetIndex(token_dir, {k: v for k, v in manifest.items() if k != "shards"},
+                             ShardNames(None, _encode_names(manifest)), manifest_digest(token_dir))
+        kept = (f"kept in memory: cannot write {token_dir / PLAN_DIR} ({err}), so every start will read the whole "
+                f"manifest (run `train.py shards plan {token_dir} --seq-len N` where it can be written)")
+    if damaged or shards >= NOTICE_SHARDS:
+        print(f"dataset index: {why}; made again from the {shards} shards of {token_dir / MANIFEST}, {kept}",
+              file=sys.stderr, flush=True)
+    return index
 
 
 def _count_rows(token_dir: str, names: list[str], header: dict, seq_len: int) -> list[int]:
@@ -403,13 +429,35 @@ def write_plan(token_dir: str | Path, seq_len: int, counts: list[int] | None = N
     `workers` processes) unless given; returns the counts' path."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be positive, got {seq_len}")
-    index = write_index(token_dir)
+    manifest = read_manifest(token_dir)  # before any write: a directory that is not a dataset gets its own message
+    plans = Path(token_dir) / PLAN_DIR
+    made_plans = not plans.exists()
+    try:
+        index = write_index(token_dir, manifest)
+    except OSError as err:
+        if made_plans and plans.is_dir() and not any(plans.iterdir()):
+            plans.rmdir()  # nothing half made is left behind
+        raise ShardError(_cannot_write(Path(token_dir), err)) from err
     counts = compute_row_counts(token_dir, index, seq_len, workers) if counts is None else counts
     if len(counts) != index.num_shards:
         raise ValueError(f"{len(counts)} row counts for {index.num_shards} shards")
     path = plan_path(token_dir, seq_len, index.digest)
-    _atomic_save(path, np.asarray(counts, dtype=np.int64))
+    try:
+        _atomic_save(path, np.asarray(counts, dtype=np.int64))
+    except OSError as err:
+        raise ShardError(_cannot_write(Path(token_dir), err)) from err
     return path
+
+
+def _cannot_write(token_dir: Path, err: OSError) -> str:
+    """The message of a `shards plan` that cannot write `plans/`: why, and what to do (training does not need it)."""
+    plans = token_dir / PLAN_DIR
+    if plans.exists() and not plans.is_dir():
+        return (f"cannot write the dataset index: {plans} is a file, not a directory; move it away (the index is "
+                "written there) and run `shards plan` again")
+    return (f"cannot write the dataset index in {plans} ({err.strerror or err}: {err.filename or plans}). "
+            "`train.py fit` does not need it: on a dataset it cannot write, it builds the index in memory at each "
+            f"start (reading the whole manifest); to keep one, run `shards plan` where {token_dir} can be written")
 
 
 def read_plan(index: DatasetIndex, seq_len: int) -> tuple[np.ndarray | None, str]:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from common.files import atomic_path, atomic_write_bytes, atomic_write_json
-from data_shards.raw import ShardError
+from data_shards.raw import RAW_FORMAT, ShardError
 from tokenizer.layout import image_position_mask
 
 TOKEN_FORMAT = "early-fusion-tokens/1"
@@ -238,11 +238,18 @@ def read_manifest(token_dir: str | Path) -> dict:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ShardError(f"{path}: invalid JSON ({err})") from err
+    kind_of_dir = manifest.get("format") if isinstance(manifest, dict) else None
+    if kind_of_dir == RAW_FORMAT:  # the step before: name it rather than its first missing field
+        raise ShardError(f"{token_dir} is a raw shard directory (from `shards write`), not a token shard directory: "
+                         f"run `train.py shards tokenize {token_dir} --out TOKENS_DIR --vocab tokenizer.json` first "
+                         "and give TOKENS_DIR here")
+    if kind_of_dir != TOKEN_FORMAT:
+        raise ShardError(f"{path}: not a token shard manifest (format {kind_of_dir!r}, expected {TOKEN_FORMAT!r}): "
+                         "a token shard directory is the --out of `train.py shards tokenize` (manifest.json and, "
+                         "per shard, NAME.ids.npy, NAME.offsets.npy, NAME.keys.json, NAME.meta.json)")
     for field, kind in MANIFEST_FIELDS.items():
         if not isinstance(manifest.get(field), kind):
             raise ShardError(f"{path}: field {field!r} missing or not {kind.__name__}")
-    if manifest["format"] != TOKEN_FORMAT:
-        raise ShardError(f"{path}: format {manifest['format']!r}, expected {TOKEN_FORMAT!r}")
     if not manifest["shards"]:
         raise ShardError(f"{path}: lists no shards")
     for field in LAYOUT_FIELDS:

@@ -19,7 +19,7 @@ from data_shards.raw import ShardError, iter_raw_shard, open_video
 from data_shards.token_shards import FeatureWriter, sha256_file, write_token_shard
 from tokenizer.image.preprocess import ImageLoadError, open_image
 from tokenizer.layout import patchify
-from tokenizer.vocab import LatentImage
+from tokenizer.vocab import NO_VIDEO_MARKERS, LatentImage
 
 __all__ = ["clip_frames_of", "flip_pair", "is_continuous", "is_video_tokenizer", "latent_dim", "tokenize_shard"]
 
@@ -69,8 +69,7 @@ def _open_clip(raw_path: Path, key: str, segment: tuple, vocab, image_tokenizer,
                          f"{getattr(image_tokenizer, 'kind', 'vq')!r}) is not a video tokenizer; pass a video "
                          "tokenizer bundle (kind 'video') as --image-tokenizer")
     if not getattr(vocab, "has_video", False):
-        raise ShardError(f"{where}: holds a clip, but the vocabulary has no video markers (<bov>/<eov>); build "
-                         "the vocabulary on the video tokenizer (`train.py vocab`)")
+        raise ShardError(f"{where}: holds a clip, but {NO_VIDEO_MARKERS}")
     if with_features:
         raise ShardError(f"{where}: holds a clip, and --features stores image features only; tokenize clips "
                          "without --features")

@@ -53,8 +53,9 @@ __all__ = [
 ]
 
 NO_VIDEO_MARKERS = (
-    f"this vocabulary has no video markers ({BOV}/{EOV}): it was built without video; rebuild the vocabulary "
-    "with `train.py vocab --video` (and re-tokenize the shards with it) to use clips"
+    f"this vocabulary has no video markers ({BOV}/{EOV}): it was built without video; to use clips, rebuild it with "
+    "`train.py vocab --video --media-tokenizer VIDEO_BUNDLE --corpus TEXT --out tokenizer.json` (the video "
+    "tokenizer's codebook gives the image codes) and tokenize the shards again with it"
 )
 
 

@@ -332,8 +332,9 @@ def _plan(args: argparse.Namespace) -> int:
 
     from data_shards.plan import write_plan
 
-    if args.seq_len < 1:
-        raise SystemExit(f"--seq-len must be positive, got {args.seq_len}")
+    if args.seq_len < 1:  # a ValueError: the dispatcher's one line and exit code 2
+        raise ValueError(f"--seq-len {args.seq_len}: give the training sequence length (data.seq_len), a positive "
+                         "number of tokens")
     path = write_plan(args.dir, args.seq_len, workers=max(1, args.workers))
     rows = int(np.load(path, allow_pickle=False).sum())
     print(f"wrote the dataset index and the row counts at seq_len {args.seq_len} in {path.parent} ({path.name}): "

@@ -104,7 +104,20 @@ def image_codes(given: int | None, bundle: str | None) -> int:
                                 "that `train.py tokenizer fit` printed (or `tokenizer export` wrote)")
     import json
 
-    codebook = int(json.loads(config.read_text())["codebook_size"])
+    settings = json.loads(config.read_text())  # not JSON: a ValueError, one line
+    if not isinstance(settings, dict):
+        raise ValueError(f"--image-tokenizer {bundle}: {config} is not a tokenizer bundle's config; pass the bundle "
+                         "directory that `train.py tokenizer fit` printed")
+    if settings.get("bottleneck") == "kl":  # its config still carries the VQ default codebook_size: never read it
+        raise ValueError(f"--image-tokenizer {bundle} is a continuous (KL) image tokenizer: it has no codes to give "
+                         "the vocabulary. Transfusion puts its latents at `<image>` positions, which every vocabulary "
+                         "has, and needs no image ids: build the vocabulary without --image-tokenizer (--image-codes "
+                         "N sets the image block, at least 1) and pass the bundle to `shards tokenize "
+                         "--image-tokenizer`")
+    if not isinstance(settings.get("codebook_size"), int):
+        raise ValueError(f"--image-tokenizer {bundle}: {config} has no codebook_size; pass a VQ image or video "
+                         "tokenizer bundle (from `train.py tokenizer fit`)")
+    codebook = int(settings["codebook_size"])
     if given is not None and given != codebook:
         raise ValueError(f"--image-codes {given} but the image tokenizer {bundle} has {codebook} codes; "
                          "drop --image-codes (it is taken from the bundle) or pass the other bundle")
