@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from fusion_model.sampling.config import SamplingConfig
-from tokenizer.vocab import text_mode_mask
+from tokenizer.vocab import NO_VIDEO_MARKERS, text_mode_mask
 
 
 def _open_span(prompt: list[int], vocab: Any) -> tuple[int, bool]:
@@ -83,8 +83,7 @@ class ModalityRules:
             )
         if config.mode == "video" or bool(open_video.any()):
             if getattr(vocab, "bov_id", None) is None:
-                raise ValueError("mode 'video' needs video markers, but this vocabulary has none (<bov>/<eov>): "
-                                 "rebuild the vocabulary with `train.py vocab --video`")
+                raise ValueError(f"mode 'video' needs video markers, but {NO_VIDEO_MARKERS}")
             if config.video_grid is None:
                 raise ValueError(
                     "SamplingConfig.video_grid (t, h, w) is needed to generate video clips; "
