@@ -278,8 +278,10 @@ def pretokenize(
         meta = found[name] = read_shard_meta(out_dir, name)
         if meta is not None and any(meta.get(f, _REUSE_DEFAULTS.get(f)) != info[f] for f in _REUSE_FIELDS):
             changed = [f for f in _REUSE_FIELDS if meta.get(f, _REUSE_DEFAULTS.get(f)) != info[f]]
+            redo = (f"use an empty output directory, or give the settings it was made with, or delete "
+                    f"{out_dir / (name + '.meta.json')} (and any other shard so made) to redo it with these")
             raise ShardError(f"{out_dir}: shard {name} was tokenized with other settings ({', '.join(changed)}); "
-                             "use an empty output directory")
+                             f"{redo}")
     metas: dict[str, dict] = {}
     todo: list[tuple[Path, str]] = []
     other_encoders: set[tuple[str, str]] = set()
