@@ -23,12 +23,12 @@ from tqdm import tqdm
 
 from common.files import atomic_write_json
 from data_shards.manifest_parts import PART_FORMAT, merge_parts, part_name, ranks_of
+from data_shards.ranks import rank_subset
 from data_shards.raw import MANIFEST as RAW_MANIFEST
 from data_shards.raw import ShardError, read_raw_manifest
 from data_shards.token_shards import (
     LATENT_KIND,
     manifest_entry,
-    rank_subset,
     read_shard_meta,
     sha256_file,
     write_manifest,

@@ -125,7 +125,7 @@ def _add_split(parser: argparse.ArgumentParser, what: str) -> None:
 
 def _split(args: argparse.Namespace, command: str) -> tuple[int, int]:
     """(rank, world size) from the flags or the launcher's environment; says so when split."""
-    from data_shards.token_shards import process_split
+    from data_shards.ranks import process_split
 
     rank, world_size, source = process_split(args.rank, args.world_size)
     if world_size > 1:
@@ -298,7 +298,8 @@ def _describe_raw(segment: tuple) -> str:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from data_shards.token_shards import rank_subset, verify_token_dir
+    from data_shards.ranks import rank_subset
+    from data_shards.token_shards import verify_token_dir
 
     rank, world_size = _split(args, "verify")
     manifest, problems = verify_token_dir(args.dir, rank, world_size)

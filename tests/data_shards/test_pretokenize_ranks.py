@@ -19,12 +19,11 @@ from PIL import Image
 from data_shards import pretokenize as pretokenize_module
 from data_shards import token_shards
 from data_shards.pretokenize import merge_parts, part_name, pretokenize
+from data_shards.ranks import process_split, rank_subset
 from data_shards.raw import ShardError
 from data_shards.token_shards import (
     FEATURES_FILE,
     FeatureWriter,
-    process_split,
-    rank_subset,
     write_token_shard,
 )
 from fusion_model import cli

@@ -222,17 +222,24 @@ def test_generate_names_a_prompt_image_that_is_too_small_before_loading_the_mode
 # ---- 4. a folder of the wrong kind ---------------------------------------------------------------------------------
 
 
+def refused_write(tmp_path, capsys, flag: str, folder) -> str:
+    """`shards write FLAG FOLDER`'s one-line refusal (exit 2, no output folder)."""
+    out = tmp_path / "raw"
+    assert cli.main(["shards", "write", "--out", str(out), flag, str(folder)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert not out.exists()
+    return err
+
+
+
 def test_video_folder_of_images_exits_2_saying_what_it_found(tmp_path, capsys):
     folder = tmp_path / "pngs"
     folder.mkdir()
     for i in range(12):
         Image.new("RGB", (16, 16)).save(with_caption(folder / f"{i}.png"))
-    out = tmp_path / "raw"
-    assert cli.main(["shards", "write", "--out", str(out), "--video-folder", str(folder)]) == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1
+    err = refused_write(tmp_path, capsys, "--video-folder", folder)
     assert f"--video-folder {folder}: no clips found" in err and "12 .png files: use --image-folder" in err
-    assert not out.exists()
 
 
 def test_image_folder_of_videos_exits_2_saying_what_it_found(tmp_path, capsys):
@@ -240,12 +247,8 @@ def test_image_folder_of_videos_exits_2_saying_what_it_found(tmp_path, capsys):
     folder.mkdir()
     for i in range(3):
         write_mp4(gradient_clip(4), with_caption(folder / f"{i}.mp4"))
-    out = tmp_path / "raw"
-    assert cli.main(["shards", "write", "--out", str(out), "--image-folder", str(folder)]) == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1
+    err = refused_write(tmp_path, capsys, "--image-folder", folder)
     assert f"--image-folder {folder}: no images found" in err and "3 .mp4 files: use --video-folder" in err
-    assert not out.exists()
 
 
 def test_an_empty_media_folder_exits_2_and_writes_nothing(tmp_path, capsys):
