@@ -214,7 +214,31 @@ def load_checkpoint_file(path: str | os.PathLike, map_location: Any = "cpu") -> 
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as err:  # noqa: BLE001 - re-raised with the file name and what to do
+        if holds_pickled_objects(err):
+            raise ValueError(
+                f"checkpoint {path} {PICKLED_OBJECTS}: save its weights again as plain tensors with the project's "
+                "tools (fusion_model.checkpoint.save_model, or `train.py convert import` for a transformers folder) "
+                "and pass that file"
+            ) from err
         raise ValueError(
-            f"checkpoint {path} could not be loaded with torch.load(weights_only=True): {err}. "
+            f"checkpoint {path} could not be loaded with torch.load(weights_only=True): {first_line(err)}. "
             "It is truncated, not a checkpoint, or holds pickled objects; use an earlier checkpoint."
         ) from err
+
+
+# why a file of pickled objects is refused; never torch's advice (weights_only=False runs the file's code)
+PICKLED_OBJECTS = ("holds pickled Python objects, which torch.load(weights_only=True) refuses and this project never "
+                   "unpickles (that can run code)")
+
+
+def holds_pickled_objects(error: BaseException) -> bool:
+    """Whether torch.load(weights_only=True) refused a file for the pickled Python objects in it (not its tensors)."""
+    import pickle
+
+    return isinstance(error, pickle.UnpicklingError) and "weights only load failed" in str(error).lower()
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message (torch's run to several paragraphs), or its type's name."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -18,6 +18,13 @@ from fusion_model.model import FusionModel
 def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> FusionModel:
     """A FusionModel from a checkpoint file (`state_dict` with a `model.` prefix and hyper_parameters['config'],
     as Lightning writes them; loaded with weights_only=True) or a transformers Chameleon directory."""
+    return load_model_and_hparams(path, map_location)[0]
+
+
+def load_model_and_hparams(path: str | os.PathLike,
+                           map_location: str | torch.device = "cpu") -> tuple[FusionModel, dict]:
+    """`load_model`'s decoder and the hyper_parameters it was saved with (a `train.py fit` checkpoint names its
+    family there; {} for a transformers directory), from one read of the file."""
     path = Path(path)
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -25,11 +32,11 @@ def load_model(path: str | os.PathLike, map_location: str | torch.device = "cpu"
                                     "written by `train.py convert export`")
         from fusion_model.hf_convert import from_transformers, load_transformers_folder
 
-        return from_transformers(load_transformers_folder(path)).to(map_location)
+        return from_transformers(load_transformers_folder(path)).to(map_location), {}
     checkpoint = read_checkpoint(path, map_location)
     model = FusionModel(FusionConfig.from_dict(checkpoint["hyper_parameters"]["config"]))
     model.load_state_dict(part_weights(checkpoint["state_dict"], "model"))
-    return model
+    return model, dict(checkpoint["hyper_parameters"])
 
 
 def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> dict:
@@ -77,9 +84,44 @@ def can_upcycle(have: FusionConfig, want: FusionConfig) -> bool:
     block, from the dense one to a block class that names each of its parameters' dense source (`dense_name`)."""
     if any(getattr(have, name) != getattr(want, name) for name in ARCHITECTURE_FIELDS if name not in BLOCK_FIELDS):
         return False
+    return upcycles_block(have, want)
+
+
+def upcycles_block(have: FusionConfig, want: FusionConfig) -> bool:
+    """Whether `want`'s block can start from `have`'s by upcycling: from the dense block to a block class that
+    names each of its parameters' dense source (`dense_name`); the other fields are not looked at."""
     dense = block_class("dense")
     target = block_class(want.block)
     return block_class(have.block) is dense and target is not dense and callable(getattr(target, "dense_name", None))
+
+
+# The --model.config option of each architecture field that is a derived property of FusionConfig
+OPTION_OF_FIELD = {"kv_heads": "n_kv_heads", "hidden_dim": "ffn_dim"}
+
+
+def option_value(value: object) -> str:
+    """A config value as a command-line option takes it (null, true/false, the number or text)."""
+    if value is None:
+        return "null"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def architecture_refusal(path: str | os.PathLike, have: FusionConfig, want: FusionConfig) -> str:
+    """One line refusing weights of architecture `have` (the checkpoint at `path`) for a model of `want`: the
+    differences that matter and what to pass instead. When the block alone could be upcycled, the block is no
+    difference, and the advice keeps it (the checkpoint's sizes as options), since `--model.config null` would
+    train the checkpoint's dense block instead."""
+    upcycle = upcycles_block(have, want)
+    differences = [line for line in architecture_differences(have, want)
+                   if not (upcycle and line.split(":", 1)[0] in BLOCK_FIELDS)]
+    text = f"model.init_weights {path} holds another architecture ({'; '.join(differences)}; checkpoint vs model.config)"
+    if not upcycle:
+        return f"{text}: pass --model.config null to take the checkpoint's config"
+    options = " ".join(f"--model.config.{OPTION_OF_FIELD.get(name, name)}={option_value(getattr(have, name))}"
+                       for name in ARCHITECTURE_FIELDS
+                       if name not in BLOCK_FIELDS and getattr(have, name) != getattr(want, name))
+    return (f"{text}: pass the checkpoint's values ({options}) to upcycle it into the {want.block} block, or "
+            f"--model.config null to train the checkpoint's {have.block} decoder as it is")
 
 
 def upcycle_weights(dense: dict[str, torch.Tensor], model: FusionModel) -> dict[str, torch.Tensor]:

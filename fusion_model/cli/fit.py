@@ -23,7 +23,9 @@ from fusion_model.cli.lightning_options import (
     default_loggers,
     end_process_group,
     entry,
+    missing_folders,
     place_outputs_under_root,
+    remove_new_folders,
     take_runtime_options,
     time_limit_seconds,
     use_plain_progress_when_logging_to_a_file,
@@ -46,15 +48,20 @@ class FusionCLI(LightningCLI):
         })
 
     def _parse_ckpt_path(self) -> None:
-        """Lightning's read of the hparams in --ckpt_path, with a broken file turned into one line naming a good one."""
+        """Lightning's read of the hparams in --ckpt_path, with a broken file turned into one line naming a good one,
+        and architecture options that the checkpoint's own would silently override refused."""
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        asked = self.config[subcommand].model.get("config") if subcommand else None
+        asked = dict(asked) if isinstance(asked, dict) else None  # Lightning replaces it with the checkpoint's
         try:
             super()._parse_ckpt_path()
         except Exception as err:  # noqa: BLE001 - torch/zip/unpickling errors alike: re-raised naming the file
             if not ckpt_path:
                 raise
             raise ValueError(broken_checkpoint_message(Path(ckpt_path), err)) from err
+        if ckpt_path and asked is not None:
+            refuse_another_architecture(ckpt_path, asked, self.config[subcommand].model.get("config"))
 
     def instantiate_trainer(self, **kwargs):
         """With no logger configured, log TensorBoard (tb/) and CSV (csv/) under trainer.default_root_dir."""
@@ -65,6 +72,11 @@ class FusionCLI(LightningCLI):
 
     def before_fit(self) -> None:
         """Check the data against the model and that checkpoints can be written, before anything is written."""
+        self._resolve_resume()
+        root = self.trainer.default_root_dir
+        self._log_dirs = [str(logger.log_dir) for logger in self.trainer.loggers if logger.log_dir]
+        self._new_folders = missing_folders([root, *self._log_dirs, *(
+            cb.dirpath for cb in self.trainer.checkpoint_callbacks if getattr(cb, "dirpath", None))])
         if hasattr(self.datamodule, "check") and getattr(self.model, "model_config", None) is not None:
             self.datamodule.check(self.model.model_config, tuple(self.model.batch_keys))
         directories = [self.trainer.default_root_dir]
@@ -80,6 +92,39 @@ class FusionCLI(LightningCLI):
             logs = ", ".join(dict.fromkeys(str(logger.log_dir) for logger in self.trainer.loggers)) or "none"
             checkpoints = ", ".join(str(cb.dirpath) for cb in self.trainer.checkpoint_callbacks) or "none"
             print(f"fit: logs in {logs}; checkpoints in {checkpoints}", flush=True)
+
+    def _resolve_resume(self) -> None:
+        """Turn --ckpt_path (a path, or last/best/hpc) into the file it names and set it as trainer.ckpt_path before
+        fit, so that the module's setup knows the run resumes: it then neither loads model.init_weights (which may
+        be gone) nor says it upcycled them. Lightning itself sets trainer.ckpt_path only after that hook."""
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        config = self.config_init[self.subcommand]
+        asked = config.get("ckpt_path")
+        connector = self.trainer._checkpoint_connector  # Lightning's own resolution of the special values
+        resume = connector._parse_ckpt_path(TrainerFn.FITTING, asked, model_provided=True, model_connected=False)
+        model_config = getattr(self.model, "hparams", {}).get("config")
+        if resume and resume != asked and Path(resume).is_file() and isinstance(model_config, dict):
+            # last/best/hpc: Lightning read no hparams from the file, so the model was built from the options
+            from fusion_model.checkpoint import checkpoint_config
+
+            try:
+                saved = checkpoint_config(resume).to_dict()
+            except ValueError:  # a broken file: the restore refuses it naming a good checkpoint
+                saved = None
+            refuse_another_architecture(str(resume), model_config, saved)
+        self.trainer.ckpt_path = resume  # restored by trainer.fit(ckpt_path=None) as Lightning would have
+        config["ckpt_path"] = None
+
+    def fit(self, model, **kwargs) -> None:
+        """trainer.fit; a start that fails before its first training step removes the folders it made (the log
+        folders, an empty checkpoint folder or root): a refused start leaves the run's root as it was."""
+        try:
+            self.trainer.fit(model, **kwargs)
+        except Exception:
+            if not getattr(model, "trained_in_this_process", True):
+                remove_new_folders(getattr(self, "_new_folders", []), getattr(self, "_log_dirs", []))
+            raise
 
     def after_fit(self) -> None:
         """Save the final step into last.ckpt when the run stopped between periodic checkpoints (max_time or a
@@ -125,7 +170,11 @@ FIT_HELP = (
     "Q/K/V/O and norms per modality, image codes vs everything else, with global attention; needs the image block), "
     "or your own as package.module:Class; --model.config.block_options '{ffn: true, attention: true, norms: true}' "
     "gives mot's parts a copy per modality (each true unless set false). --model.init_weights DENSE.ckpt with "
-    "--model.config.block mot upcycles a dense run: each dense weight starts every modality's copy."
+    "--model.config.block mot upcycles a dense run: each dense weight starts every modality's copy; its family "
+    "must be the run's or chameleon. --checkpoint CKPT (= --ckpt_path) resumes a run with its checkpoint's "
+    "architecture (--model.config options naming another one are refused) and loads no --model.init_weights "
+    "(with a checkpoint path that file may be gone). "
+    "A start refused before its first step removes the log and checkpoint folders it made."
 )
 STEPS_UNTIL_MEASURED = 1_000_000  # trainer.max_steps under a time budget until TimeBudget has measured the rate
 
@@ -217,6 +266,27 @@ def fit_schedule_to_time_budget(config) -> None:
     if max_steps <= 0:
         trainer.max_steps = STEPS_UNTIL_MEASURED
     trainer.callbacks = callbacks
+
+
+def refuse_another_architecture(ckpt_path: str, asked: dict, resumed) -> None:
+    """Refuse --model.config options that name another architecture than the checkpoint to resume holds: a resumed
+    run keeps its checkpoint's decoder (Lightning loads its hparams over the command line), so the option would be
+    dropped without a word. Only the keys given are compared (a preset's sizes and the layout taken from the data
+    are not options the user set)."""
+    from fusion_model.checkpoint import architecture_differences
+    from fusion_model.config import FusionConfig
+
+    if not isinstance(resumed, dict) or asked == resumed:
+        return
+    given = {key: value for key, value in asked.items() if key != "preset"}
+    have = FusionConfig.from_dict(resumed)
+    differences = architecture_differences(have, FusionConfig.from_dict({**resumed, **given}))
+    if differences:
+        raise ValueError(
+            f"--ckpt_path {ckpt_path} holds another decoder than model.config asks for ({'; '.join(differences)}; "
+            "checkpoint vs model.config): a resumed run keeps its checkpoint's architecture, so drop those "
+            "--model.config options to resume it, or start a new run (without --ckpt_path) for the other one"
+        )
 
 
 def unwritable_reason(directory: Path) -> str | None:

@@ -3,6 +3,8 @@ time limits, checkpoints under the run folder, and plain progress lines instead 
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 from common.threads import choose_threads
@@ -74,6 +76,33 @@ def place_outputs_under_root(config, default_root: str) -> None:
         init = init_args_of(callback)
         if str(class_path_of(callback)).endswith(".ModelCheckpoint") and init is not None and not init.get("dirpath"):
             init["dirpath"] = str(Path(root) / "checkpoints")
+
+
+def missing_folders(paths: Iterable[str | Path]) -> list[Path]:
+    """Each of `paths` and those of its parents that do not exist yet, deepest first: what a start will create."""
+    missing: set[Path] = set()
+    for path in paths:
+        folder = Path(path).absolute()
+        while not folder.exists() and folder != folder.parent:
+            missing.add(folder)
+            folder = folder.parent
+    return sorted(missing, key=lambda folder: len(folder.parts), reverse=True)
+
+
+def remove_new_folders(missing: Iterable[Path], log_dirs: Iterable[str | Path]) -> None:
+    """Remove what a refused start made of the folders `missing` held before it: a log folder whole (all in it is
+    the start's: event file, hparams, config), any other only when empty, so that nothing else is ever deleted."""
+    whole = {Path(folder).absolute() for folder in log_dirs}
+    for folder in missing:  # deepest first, so that a parent is empty once its new children are gone
+        if not folder.is_dir():
+            continue
+        if folder in whole:
+            shutil.rmtree(folder, ignore_errors=True)
+            continue
+        try:
+            folder.rmdir()
+        except OSError:  # not empty: something else writes there
+            pass
 
 
 def default_loggers(trainer_config, default_root: str) -> list | None:

@@ -16,7 +16,13 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.strategies import ModelParallelStrategy
 
-from common.files import atomic_torch_save, load_checkpoint_file, replace_directory
+from common.files import (
+    PICKLED_OBJECTS,
+    atomic_torch_save,
+    holds_pickled_objects,
+    load_checkpoint_file,
+    replace_directory,
+)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -68,6 +74,8 @@ def broken_checkpoint_message(path: Path, err: Exception) -> str:
     what = (
         "is empty (0 bytes)"
         if size == 0
+        else PICKLED_OBJECTS  # not torch's message: it advises weights_only=False
+        if holds_pickled_objects(err.__cause__ or err)
         else f"could not be loaded with torch.load(weights_only=True): it is truncated or holds pickled objects "
         f"({size} bytes; {reason})"
     )

@@ -11,9 +11,10 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from fusion_model.checkpoint import (
     architecture_differences,
+    architecture_refusal,
     can_upcycle,
     checkpoint_config,
-    load_model,
+    load_model_and_hparams,
     upcycle_weights,
 )
 from fusion_model.config import FusionConfig, FusionConfigDict
@@ -115,7 +116,9 @@ class FusionLightningModule(L.LightningModule):
         import`, or a transformers Chameleon directory); with config None the decoder config is the checkpoint's,
         otherwise its architecture must match, or differ only in the block: a dense checkpoint into a block with
         weights per modality (config.block "mot") is upcycled, each dense weight copied into every modality's copy.
-        Ignored when the run resumes from its own checkpoint.
+        Its family must be this run's or chameleon (a decoder alone: what every family starts from). Ignored (never
+        opened) when the run resumes from its own checkpoint: set trainer.ckpt_path before trainer.fit, as
+        `train.py fit` does (trainer.fit(ckpt_path=...) alone sets it only after the setup hook that loads it).
         late_fusion: the older spelling of a late-fusion family, {"kind": "llava", "stage": 1, ...}: names the
         family of that kind and stage and gives its options (family_options win key by key); see
         fusion_model.families.resolve_family.
@@ -158,6 +161,7 @@ class FusionLightningModule(L.LightningModule):
         self._batch_idx = -1
         self._rng_to_restore: dict[str, torch.Tensor] | None = None
         self._sharded = False
+        self._step_at_start: int | None = None  # the optimizer step training (re)started at in this process
 
     @property
     def batch_keys(self) -> tuple[str, ...]:
@@ -178,7 +182,8 @@ class FusionLightningModule(L.LightningModule):
         self.family.start_new_run(self.parts)
         if not self._init_weights:
             return
-        loaded = load_model(self._init_weights)
+        loaded, hparams = load_model_and_hparams(self._init_weights)
+        self._refuse_another_family(hparams)
         weights = loaded.state_dict()
         differences = architecture_differences(loaded.config, self.model_config)
         if differences and can_upcycle(loaded.config, self.model_config):
@@ -187,11 +192,25 @@ class FusionLightningModule(L.LightningModule):
             rank_zero_info(f"model.init_weights {self._init_weights}: upcycled the dense weights into the "
                            f"{self.model_config.block} block (each modality's copy starts as the dense weight)")
         elif differences:
-            raise ValueError(
-                f"model.init_weights {self._init_weights} holds another architecture ({'; '.join(differences)}; "
-                "checkpoint vs model.config): pass --model.config null to take the checkpoint's config"
-            )
+            raise ValueError(architecture_refusal(self._init_weights, loaded.config, self.model_config))
         self.parts["model"].load_state_dict(weights)
+
+    def _refuse_another_family(self, hparams: dict) -> None:
+        """Refuse init_weights trained by a family other than this run's or the plain decoder's (chameleon): only
+        its decoder would carry over, without what that family trained around it, and nothing would say so."""
+        source, _ = resolve_family(hparams.get("family"), hparams.get("family_options"), hparams.get("late_fusion"))
+        run = self.hparams.family  # the resolved spelling, as checkpoints store it
+        if source not in (DEFAULT_FAMILY, run, self.family.name):
+            raise ValueError(
+                f"model.init_weights {self._init_weights} was trained by the {source} family, but this run trains "
+                f"the {run} family: start it from a {DEFAULT_FAMILY} checkpoint (a decoder alone, e.g. from `train.py "
+                f"convert import`) or one of the {run} family, or train --model.family {source}"
+            )
+
+    @property
+    def trained_in_this_process(self) -> bool:
+        """Whether an optimizer step ran in this process (before one, a failed start wrote nothing worth keeping)."""
+        return self._step_at_start is not None and self.trainer.global_step > self._step_at_start
 
     def configure_model(self) -> None:
         """Apply torch.compile and, under ModelParallelStrategy, FSDP2 as the family shards itself."""
@@ -344,6 +363,7 @@ class FusionLightningModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         """After a resume under another world size: continue the epoch's batch count where the loader is."""
+        self._step_at_start = self.trainer.global_step  # restored by now
         shift = align_batch_progress(self.trainer)
         if shift:
             progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
