@@ -23,6 +23,7 @@ from fusion_model.cli.lightning_options import (
     default_loggers,
     end_process_group,
     entry,
+    last_checkpoint,
     missing_folders,
     place_outputs_under_root,
     remove_new_folders,
@@ -52,8 +53,13 @@ class FusionCLI(LightningCLI):
         and architecture options that the checkpoint's own would silently override refused."""
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if ckpt_path == "last":  # read like a path: its hyperparameters, not the command line's, build the model
+            found = last_checkpoint(self.config[subcommand], DEFAULT_ROOT)
+            if found is not None:
+                ckpt_path = self.config[subcommand].ckpt_path = str(found)
         asked = self.config[subcommand].model.get("config") if subcommand else None
         asked = dict(asked) if isinstance(asked, dict) else None  # Lightning replaces it with the checkpoint's
+        given = model_options(self.config[subcommand].model) if ckpt_path else {}
         try:
             super()._parse_ckpt_path()
         except Exception as err:  # noqa: BLE001 - torch/zip/unpickling errors alike: re-raised naming the file
@@ -62,6 +68,8 @@ class FusionCLI(LightningCLI):
             raise ValueError(broken_checkpoint_message(Path(ckpt_path), err)) from err
         if ckpt_path and asked is not None:
             refuse_another_architecture(ckpt_path, asked, self.config[subcommand].model.get("config"))
+        if ckpt_path and Path(ckpt_path).is_file():
+            note_options_the_checkpoint_keeps(ckpt_path, given, model_options(self.config[subcommand].model))
 
     def instantiate_trainer(self, **kwargs):
         """With no logger configured, log TensorBoard (tb/) and CSV (csv/) under trainer.default_root_dir."""
@@ -287,6 +295,28 @@ def refuse_another_architecture(ckpt_path: str, asked: dict, resumed) -> None:
             "checkpoint vs model.config): a resumed run keeps its checkpoint's architecture, so drop those "
             "--model.config options to resume it, or start a new run (without --ckpt_path) for the other one"
         )
+
+
+# model options a resume never takes from the command line, or whose difference is said elsewhere: the decoder's
+# architecture (refused when it differs), the start weights (not read on resume), what `fit` derives from the data
+NOT_NOTED_ON_RESUME = ("config", "init_weights", "family", "family_options", "late_fusion", "tokenizers")
+
+
+def model_options(model) -> dict:
+    """The model section's options as plain values (a jsonargparse Namespace or a dict)."""
+    values = model.as_dict() if hasattr(model, "as_dict") else dict(model or {})
+    return {key: value for key, value in values.items() if key not in NOT_NOTED_ON_RESUME}
+
+
+def note_options_the_checkpoint_keeps(ckpt_path: str, given: dict, kept: dict) -> None:
+    """Say, in one line on stderr, which --model options this command set that the resumed checkpoint overrides
+    with its own (a resumed run keeps the recipe it was started with: lr, schedule, loss weights)."""
+    differ = [f"{key}={kept.get(key)!r} (this command: {value!r})" for key, value in given.items()
+              if value is not None and kept.get(key) != value]
+    if differ:
+        print(f"fit: resuming {ckpt_path} with its own model options, which win over this command's: "
+              f"{', '.join(differ)}; start a new run (without --ckpt_path, e.g. --model.init_weights {ckpt_path}) "
+              "to train with other ones", file=sys.stderr, flush=True)
 
 
 def unwritable_reason(directory: Path) -> str | None:

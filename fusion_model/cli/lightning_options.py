@@ -78,6 +78,23 @@ def place_outputs_under_root(config, default_root: str) -> None:
             init["dirpath"] = str(Path(root) / "checkpoints")
 
 
+def last_checkpoint(config, default_root: str) -> Path | None:
+    """The newest `last*.ckpt` in the checkpoint folders the config names (each ModelCheckpoint's dirpath, or
+    <trainer.default_root_dir>/checkpoints when it names none): the file `--ckpt_path last` resumes, found before the
+    trainer exists so that its hyperparameters are read from it as from a path (Lightning resolves `last` only after
+    building the model from the command line's options, which then won over the checkpoint's)."""
+    trainer = config.trainer
+    root = Path(str(trainer.get("default_root_dir") or default_root))
+    folders = []
+    for callback in trainer.get("callbacks") or []:
+        init = init_args_of(callback)
+        if str(class_path_of(callback)).endswith(".ModelCheckpoint"):
+            folders.append(Path(str((init or {}).get("dirpath") or root / "checkpoints")))
+    found = [path for folder in dict.fromkeys(folders) if folder.is_dir() for path in folder.glob("last*.ckpt")
+             if path.is_file()]
+    return max(found, key=lambda path: path.stat().st_mtime_ns) if found else None
+
+
 def missing_folders(paths: Iterable[str | Path]) -> list[Path]:
     """Each of `paths` and those of its parents that do not exist yet, deepest first: what a start will create."""
     missing: set[Path] = set()

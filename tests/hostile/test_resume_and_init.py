@@ -254,3 +254,33 @@ def test_the_upcycled_fixture_checkpoints_are_mot_and_hold_the_init_weights_they
     hparams = torch.load(upcycled["run"] / "ckpt" / "last.ckpt", weights_only=True)["hyper_parameters"]
     assert FusionConfig.from_dict(hparams["config"]).block == "mot"
     assert hparams["init_weights"] == str(upcycled["source"]) and not upcycled["source"].exists()
+
+
+# ---- case 6: `--ckpt_path last` reads the checkpoint as a path does; options it overrides are said ------------------
+def test_resuming_last_of_a_run_whose_config_came_from_init_weights_works_after_the_source_is_gone(dense, tokens,
+                                                                                                   tmp_path):
+    source = tmp_path / "source.ckpt"
+    shutil.copy(dense, source)
+    from_weights = [f"--model.init_weights={source}", "--model.config=null", "--model.decay_steps=3"]
+    root = tmp_path / "run"
+    assert cli.main(["fit", *fw.tiny_args(tokens, root, 2, extra=from_weights)]) == 0
+    source.unlink()
+    # the same command again, resuming its newest last.ckpt: the decoder comes from that file, not init_weights
+    assert cli.main(["fit", *fw.tiny_args(tokens, root, 3, extra=[*from_weights, "--ckpt_path=last"])]) == 0
+    resumed = torch.load(root / "ckpt" / "last.ckpt", weights_only=True)
+    assert resumed["global_step"] == 3
+
+
+def test_model_options_a_resumed_checkpoint_overrides_are_named_in_one_line(tokens, tmp_path, capsys):
+    root = tmp_path / "run"
+    assert cli.main(["fit", *fw.tiny_args(tokens, root, 1)]) == 0
+    last = root / "ckpt" / "last.ckpt"
+    capsys.readouterr()
+    for resume in (str(last), "last"):  # a path and Lightning's special value say the same
+        assert cli.main(["fit", *fw.tiny_args(tokens, root, 2, extra=["--model.lr=0.005", "--ckpt_path", resume])]) == 0
+        notes = [line for line in capsys.readouterr().err.splitlines() if "with its own model options" in line]
+        assert len(notes) == 1 and "lr=0.01 (this command: 0.005)" in notes[0], notes
+        assert torch.load(last, weights_only=True)["hyper_parameters"]["lr"] == 0.01  # the checkpoint's recipe won
+    # the same options as the checkpoint's: nothing to say
+    assert cli.main(["fit", *fw.tiny_args(tokens, root, 3, extra=["--ckpt_path", str(last)])]) == 0
+    assert "with its own model options" not in capsys.readouterr().err
