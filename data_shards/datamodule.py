@@ -44,6 +44,17 @@ def check_image_kind(directory: str, manifest: dict, batch_keys: tuple[str, ...]
                          "`shards tokenize --image-tokenizer` its bundle) into a fresh directory")
 
 
+def check_conversations(directory: str, manifest: dict, batch_keys: tuple[str, ...],
+                        family_name: str | None = None) -> None:
+    """Refuse shards holding conversations for a model whose objective reads no `target_mask` (no answer-only
+    loss): trained there, a conversation's prompts would be scored like its answers."""
+    count = int(manifest.get("conversations") or 0)
+    if count and "target_mask" not in batch_keys:
+        whose = f"the {family_name} family's objective" if family_name else "this model's objective"
+        raise ValueError(f"{directory} holds {count} conversations, whose loss is on the answers only; {whose} has "
+                         "no answer-only loss: train conversations with --model.family chameleon (dense or MoT)")
+
+
 class FusionDataModule(L.LightningDataModule):
     """Packed batches from pre-tokenized shards, split across ranks by the stream; resumable mid-epoch."""
 
@@ -60,11 +71,15 @@ class FusionDataModule(L.LightningDataModule):
         image_tokenizer: str | None = None,
         image_features: bool | None = None,
         shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
+        answer_only: bool = True,
     ) -> None:
         """train_dir/val_dir: token-shard directories; batch_size is per device (micro-batch);
         vocab (tokenizer.json) and image_tokenizer (a bundle directory) enable the fingerprint checks;
         image_features: batches carry the shards' image features (None: when the model reads them, i.e. a
-        late-fusion model); shuffle_window: rows (positions) shuffled together after the seeded shard permutation."""
+        late-fusion model); shuffle_window: rows (positions) shuffled together after the seeded shard permutation;
+        answer_only: for conversations (chat SFT shards), the loss is on the trained roles' turns only (the answers,
+        `shards tokenize --train-roles`); False puts it on every token (an ablation; conversations are still never
+        cut). Batches carry `target_mask` when the model reads it (its `batch_keys`)."""
         super().__init__()
         self.save_hyperparameters()
         self.train_dir, self.val_dir = train_dir, val_dir
@@ -72,6 +87,7 @@ class FusionDataModule(L.LightningDataModule):
         self.seed, self.shuffle, self.shuffle_window = seed, shuffle, shuffle_window
         self.vocab, self.image_tokenizer = vocab, image_tokenizer
         self.image_features = image_features
+        self.answer_only = answer_only
         self._checked = None  # the model config `check` last accepted
         # the loaders made, closed at teardown; weak, so a loader Lightning drops (reloaded each epoch) is freed
         self._loaders: weakref.WeakSet = weakref.WeakSet()
@@ -93,6 +109,7 @@ class FusionDataModule(L.LightningDataModule):
             for directory, manifest in ((self.train_dir, train_manifest), (self.val_dir, val_manifest)):
                 if manifest is not None:
                     check_image_kind(directory, manifest, batch_keys)
+                    check_conversations(directory, manifest, batch_keys)
         vocab = fingerprint = None
         if self.vocab:
             from tokenizer.vocab import UnifiedVocab
@@ -126,7 +143,8 @@ class FusionDataModule(L.LightningDataModule):
                                    world_size=world, shuffle=shuffle, image_features=features and not latents,
                                    image_latents=latents,
                                    token_keys="token_keys" in wanted, accumulate=window,
-                                   shuffle_window=self.shuffle_window)
+                                   shuffle_window=self.shuffle_window, target_mask="target_mask" in wanted,
+                                   answer_only=self.answer_only)
         # training: a damaged shard reaches the step as a flagged batch, which stops every rank at that step
         loader = make_dataloader(stream, num_workers=num_workers, window=window,
                                  count=getattr(module, "window_denominators", None), share_errors=training)

@@ -39,7 +39,7 @@ def ranks_of(ranks: list[int], world_size: int) -> str:
 
 
 # The `shards tokenize` flag of a header field, where the advice to rerun a rank can name one.
-_FLAGS = {"seed": "--seed", "flip_probability": "--flip-probability"}
+_FLAGS = {"seed": "--seed", "flip_probability": "--flip-probability", "target_roles": "--train-roles"}
 # At most this many files are listed by name in the advice to delete a rank's shards (the rest are counted).
 MAX_LISTED_FILES = 20
 

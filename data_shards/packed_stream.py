@@ -20,6 +20,7 @@ the step's collective so every rank stops at the same step (`FusionLightningModu
 from __future__ import annotations
 
 import os
+import sys
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -33,7 +34,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from data_shards.epoch_layout import DEFAULT_SHUFFLE_WINDOW, EpochLayout
 from data_shards.plan import ShardRows, load_row_counts, plan_shard, read_index
 from data_shards.raw import ShardError
-from data_shards.token_shards import LATENT_KIND, TokenShard, latent_placeholder
+from data_shards.token_shards import LATENT_KIND, TARGET, TokenShard, latent_placeholder
 from tokenizer.layout import image_position_mask
 
 __all__ = ["DATA_ERROR", "PackedTokenStream", "document_causal_mask"]
@@ -42,6 +43,8 @@ __all__ = ["DATA_ERROR", "PackedTokenStream", "document_causal_mask"]
 # shares it with every rank before raising.
 DATA_ERROR = "data_error"
 _EXTRA_TABLES = 2  # shard tables kept beyond those of the windows in use (a stream crossing a window edge)
+# Shards whose dropped conversations (longer than seq_len) get a line each on stderr; the rest are summed up once.
+DROPPED_LINES = 5
 
 
 def _stop_checks(checker: ThreadPoolExecutor, pid: int) -> None:
@@ -73,6 +76,14 @@ class PackedTokenStream(EpochLayout, IterableDataset):
     from shards tokenized with a continuous image tokenizer (Transfusion). With `token_keys`, they hold
     `token_keys` (B, T) int64: each token's identity in the dataset, shard index x 2^40 + its offset in the shard's
     ids (-1 for padding), the same whatever the rank, row or epoch: what an objective keys its randomness by.
+    With `target_mask`, they hold `target_mask` (B, T) bool: True where the token is a training target (bit 0 of
+    the shard's stored target mask: a conversation's trained turns, every token of a plain document; every real
+    token of a shard without conversations), False at padding; with `answer_only` False, every real token (the
+    "loss on every token" ablation; conversations are still never cut). A loss scores position t's prediction of
+    token t + 1 where both share a document and target_mask[:, t + 1] holds.
+
+    Conversations are never cut: one longer than seq_len is left out of the rows (`plan_shard`), counted in
+    `dropped_conversations` and named on stderr (a line per shard for the first few shards, then a summary).
 
     One pass is one epoch of `len(self)` batches for this rank; `set_epoch(e)` chooses the shuffle. Which rows a
     batch reads, and the resumable position, are the `EpochLayout` this stream is over the shards' row counts.
@@ -96,6 +107,8 @@ class PackedTokenStream(EpochLayout, IterableDataset):
         shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
         verify_ahead: bool = True,
         accumulate: int = 1,
+        target_mask: bool = False,
+        answer_only: bool = True,
     ) -> None:
         """shuffle_window: rows shuffled together after the shard permutation (more mixes more shards per window and
         holds more shard tables at once); verify_ahead: check the shards of the next batch in a background thread;
@@ -109,6 +122,7 @@ class PackedTokenStream(EpochLayout, IterableDataset):
         self.manifest = self.index.header  # every manifest field but the shard list
         self.image_features, self.image_latents = image_features, image_latents
         self.token_keys = token_keys
+        self.target_mask, self.answer_only = target_mask, answer_only
         latent = self.manifest.get("feature_kind") == LATENT_KIND
         if image_features and (latent or not self.manifest.get("feature_dim")):
             held = "continuous images' latents, not codes" if latent else "no image features"
@@ -143,12 +157,16 @@ class PackedTokenStream(EpochLayout, IterableDataset):
         self._stop_checker: weakref.finalize | None = None
         self._verified: set[int] = set()  # shards whose files this process has checked
         self.shards_opened: list[int] = []  # shard indices this process verified and opened, in order
+        # conversations longer than seq_len left out, per shard this process has planned (a shard reopened after
+        # its table was dropped is not counted again)
+        self._dropped: dict[int, int] = {}
+        self._dropped_summarised = 0
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         # the layout's caches too (_orders, _windows): a worker recomputes them
         for key in ("_orders", "_windows", "_tables", "_checks", "_checker", "_stop_checker", "_verified",
-                    "shards_opened"):
+                    "shards_opened", "_dropped", "_dropped_summarised"):
             state.pop(key, None)  # memmaps, threads and locks are made again in the worker, never copied
         return state
 
@@ -198,8 +216,38 @@ class PackedTokenStream(EpochLayout, IterableDataset):
                                  f"{self.seq_len}`")
             self._tables[shard] = (opened, rows)
             self.shards_opened.append(shard)
+            if len(rows.dropped) and shard not in self._dropped:
+                self._note_dropped(shard, opened, rows.dropped)
         self._tables.move_to_end(shard)
         return self._tables[shard]
+
+    @property
+    def dropped_conversations(self) -> int:
+        """Conversations longer than seq_len this process has left out (each counted once, in the shards it read)."""
+        return sum(self._dropped.values())
+
+    def _note_dropped(self, shard: int, opened: TokenShard, dropped: np.ndarray) -> None:
+        """Count a shard's conversations too long for seq_len; name them on stderr for the first few shards."""
+        self._dropped[shard] = len(dropped)
+        if len(self._dropped) > DROPPED_LINES:
+            return
+        lengths = opened.lengths[dropped]
+        try:
+            keys = [opened.keys[int(d)] for d in dropped[:3]]
+        except ShardError:  # a damaged keys file: the document indices still name them
+            keys = [f"document {int(d)}" for d in dropped[:3]]
+        more = f" and {len(dropped) - 3} more" if len(dropped) > 3 else ""
+        print(f"stream: shard {opened.name}: left out {len(dropped)} conversation(s) longer than seq_len "
+              f"{self.seq_len} (never cut): {', '.join(map(repr, keys))}{more} ({int(lengths.max())} tokens at most); "
+              "train with a longer --data.seq_len to keep them", file=sys.stderr, flush=True)
+
+    def _summarise_dropped(self) -> None:
+        """One line for the shards past the first few whose too-long conversations were left out."""
+        quiet = list(self._dropped.values())[DROPPED_LINES:]
+        if len(quiet) > self._dropped_summarised:
+            print(f"stream: and {sum(quiet)} more conversation(s) longer than seq_len {self.seq_len} left out in "
+                  f"{len(quiet)} more shard(s) ({self.dropped_conversations} in all)", file=sys.stderr, flush=True)
+            self._dropped_summarised = len(quiet)
 
     def _release(self, keep: set[int]) -> None:
         """Drop shard tables outside `keep` beyond a few recent ones (and their finished checks)."""
@@ -245,6 +293,7 @@ class PackedTokenStream(EpochLayout, IterableDataset):
         document_ids = np.full((b, t), -1, dtype=np.int64)
         position_ids = np.zeros((b, t), dtype=np.int64)
         keys = np.full((b, t), -1, dtype=np.int64) if self.token_keys else None
+        targets = np.zeros((b, t), dtype=bool) if self.target_mask else None
         features = None
         if self.image_features or self.image_latents:
             features = np.zeros((b, t, int(self.manifest["feature_dim"])), dtype=np.float32)
@@ -262,6 +311,10 @@ class PackedTokenStream(EpochLayout, IterableDataset):
                 position_ids[i, cursor : cursor + length] = np.arange(length)
                 if keys is not None:
                     keys[i, cursor : cursor + length] = (index << 40) + start + np.arange(length)
+                if targets is not None:
+                    marks = shard.targets if self.answer_only else None
+                    targets[i, cursor : cursor + length] = (
+                        True if marks is None else (marks[start : start + length] & TARGET) != 0)
                 if features is not None:
                     at = np.flatnonzero(image_position_mask(chunk, image_offset, image_codes, placeholder))
                     features[i, cursor + at] = shard.image_features(start, start + length, image_offset, image_codes,
@@ -276,6 +329,8 @@ class PackedTokenStream(EpochLayout, IterableDataset):
             batch["image_latents" if self.image_latents else "image_features"] = torch.from_numpy(features)
         if keys is not None:
             batch["token_keys"] = torch.from_numpy(keys)
+        if targets is not None:
+            batch["target_mask"] = torch.from_numpy(targets)
         return batch
 
     def __iter__(self) -> Iterator[dict]:
@@ -299,3 +354,4 @@ class PackedTokenStream(EpochLayout, IterableDataset):
             if worker is None:
                 self._consumed = batch + 1
             yield out
+        self._summarise_dropped()

@@ -14,6 +14,10 @@ shard whose manifest declares video. A manifest declares video with the clip mar
 ids hold only `<bov>`, t*h*w codes, `<eov>`). A clip is then `<bov>` ... the next `<eov>` of its document, and a
 document is cut before a clip's `<bov>` rather than inside it; a clip longer than seq_len is refused, naming its
 shard, document and key.
+
+A conversation (a document whose target mask has the `CONVERSATION` bit, `token_shards`) is never cut either: it is
+one piece when it fits seq_len and is dropped otherwise (not an error: `ShardRows.dropped` lists it, so the stream
+counts and names it), so the plan's row counts and the stream's rows agree.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import multiprocessing
 import sys
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +87,8 @@ class ShardRows:
     piece_len: np.ndarray
     row_ptr: np.ndarray
     row_pieces: np.ndarray
+    # documents (indices in the shard) left out: conversations longer than seq_len, which are never cut
+    dropped: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def num_rows(self) -> int:
@@ -91,16 +97,22 @@ class ShardRows:
 
 
 def shard_rows(offsets: np.ndarray, seq_len: int, no_cut: np.ndarray | None = None, *, shard: TokenShard | None = None,
-               clips: bool = False) -> ShardRows:
+               clips: bool = False, whole: np.ndarray | None = None) -> ShardRows:
     """Cut a shard's documents (its offsets) into pieces of at most seq_len tokens and pack them into rows.
 
     `no_cut` (bool per id of the shard, from `whole_images`): positions a piece may not start at, so that a
     continuous image (a clip) stays in one row; a document is then cut at the start of the span that would be
     split. shard, clips: for the message when a span is longer than seq_len (the shard's name and the document's
-    key; whether the spans are clips).
+    key; whether the spans are clips). `whole` (bool per document): documents never cut (conversations): one piece
+    when they fit seq_len, else dropped and listed in `dropped`.
     """
     starts, lengths = offsets[:-1], np.diff(offsets)
     keep = lengths > 0
+    dropped = np.zeros(0, dtype=np.int64)
+    if whole is not None:
+        too_long = np.asarray(whole, dtype=bool) & (lengths > seq_len)
+        dropped = np.flatnonzero(too_long).astype(np.int64)
+        keep &= ~too_long
     documents = np.flatnonzero(keep)
     starts, lengths = starts[keep], lengths[keep]
     if no_cut is None or not (lengths > seq_len).any():
@@ -116,7 +128,7 @@ def shard_rows(offsets: np.ndarray, seq_len: int, no_cut: np.ndarray | None = No
         except _SpanTooLong as err:
             raise ShardError(_too_long(err, int(documents[err.document]), seq_len, no_cut, shard, clips)) from None
     row_ptr, row_pieces = pack_rows(piece_len, seq_len)
-    return ShardRows(piece_start, piece_len, row_ptr, row_pieces)
+    return ShardRows(piece_start, piece_len, row_ptr, row_pieces, dropped)
 
 
 class _SpanTooLong(Exception):
@@ -220,10 +232,13 @@ def whole_images(ids: np.ndarray, header: dict, offsets: np.ndarray | None = Non
 
 
 def plan_shard(shard: TokenShard, header: dict, seq_len: int) -> ShardRows:
-    """A shard's pieces and rows at seq_len under the dataset's rules (`whole_images`); a span too long to keep
-    whole is refused naming the shard, the document and its key."""
+    """A shard's pieces and rows at seq_len under the dataset's rules (`whole_images`; conversations whole, or
+    dropped when longer than seq_len); a span too long to keep whole is refused naming the shard, the document and
+    its key."""
     no_cut = whole_images(shard.ids, header, shard.offsets)
-    return shard_rows(shard.offsets, seq_len, no_cut, shard=shard, clips=video_markers(header) is not None)
+    whole = shard.conversation_documents() if shard.has_targets else None
+    return shard_rows(shard.offsets, seq_len, no_cut, shard=shard, clips=video_markers(header) is not None,
+                      whole=whole)
 
 
 def manifest_digest(token_dir: str | Path) -> str:

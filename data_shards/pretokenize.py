@@ -41,15 +41,16 @@ from data_shards.tokenize_shard import (
     latent_dim,
     tokenize_shard,
 )
+from tokenizer.chat import DEFAULT_TARGET_ROLES, parse_roles
 
 __all__ = ["PART_FORMAT", "PROGRESS_EVERY_SECONDS", "TokenizeProgress", "encoder_key", "flip_pair", "merge_parts",
            "part_name", "pretokenize"]
 
 # Settings that change what a shard holds; a finished shard is reused only if they all match.
 _REUSE_FIELDS = ("vocab_fingerprint", "image_tokenizer_fingerprint", "vocab_size", "flip_probability", "seed",
-                 "features", "patch_size")
+                 "features", "patch_size", "target_roles")
 # What shards written before a field existed hold for it.
-_REUSE_DEFAULTS = {"features": False, "patch_size": None}
+_REUSE_DEFAULTS = {"features": False, "patch_size": None, "target_roles": list(DEFAULT_TARGET_ROLES)}
 
 
 def encoder_key(image_tokenizer) -> dict[str, str]:
@@ -210,6 +211,7 @@ def pretokenize(
     rank: int = 0,
     world_size: int = 1,
     patch_size: int | None = None,
+    target_roles: str | tuple[str, ...] = DEFAULT_TARGET_ROLES,
 ) -> dict:
     """Turn every raw shard of `raw_dir` into a token shard in `out_dir`; returns the written manifest.
     `progress`: samples done, samples/s and ETA on stderr (`TokenizeProgress`).
@@ -226,6 +228,9 @@ def pretokenize(
     ids, and the patches (float16, channel-major, `tokenizer.layout.patchify`) as the feature rows of those
     positions; the manifest records `feature_kind` "latent" and the latent grid. NaN or infinite latents are
     refused, naming the sample.
+    Conversations (raw samples of `shards write --chat`) become `tokenizer.chat.encode_conversation`'s ids; the
+    tokens of the `target_roles` turns ("assistant" by default; `parse_roles` spellings) are the targets, stored per
+    shard as `NAME.targets.npy` and recorded as the shards' and manifest's `target_roles`; they are never flipped.
 
     `world_size` > 1 splits the work: this process tokenizes (and hashes) only its `rank_subset` of the raw shards,
     writes their entries to `manifest.part-RANK-of-WORLD.json`, and writes the manifest (`merge_parts`, the same
@@ -248,6 +253,7 @@ def pretokenize(
                          f"is {'absent' if image_tokenizer is None else 'a VQ one (its codes are the positions)'}")
     if not 0.0 <= flip_probability <= 1.0:
         raise ValueError(f"flip_probability must be in [0, 1], got {flip_probability}")
+    target_roles = parse_roles(target_roles)
     raw_dir, out_dir = Path(raw_dir), Path(out_dir)
     raw_manifest = read_raw_manifest(raw_dir)
     if not raw_manifest["shards"]:
@@ -268,6 +274,7 @@ def pretokenize(
         "seed": int(seed),
         "features": bool(features),
         "patch_size": patch_size,
+        "target_roles": list(target_roles),
         **made_by,
     }
     label = "tokenize" if world_size == 1 else f"tokenize rank {rank} of {world_size}"
@@ -340,6 +347,8 @@ def pretokenize(
         "boi_id": int(vocab.boi_id),
         "eoi_id": int(vocab.eoi_id),
         "image_placeholder_id": int(vocab.image_placeholder_id),
+        # what `shards verify` reads a conversation's turns by: `<sep>` ends a system or user turn, `</s>` an answer
+        **({"sep_id": int(vocab.sep_id)} if getattr(vocab, "sep_id", None) is not None else {}),
         # per image-code position, when the shards carry the features late-fusion models read; per `<image>`
         # position, a latent patch, for a continuous image tokenizer
         "feature_dim": (latent_dim(image_tokenizer, patch_size) if continuous else
@@ -355,6 +364,7 @@ def pretokenize(
         **({"bov_id": int(vocab.bov_id), "eov_id": int(vocab.eov_id)} if getattr(vocab, "has_video", False) else {}),
         "flip_probability": info["flip_probability"],
         "seed": info["seed"],
+        "target_roles": info["target_roles"],
         "raw_skipped": raw_manifest.get("skipped_count", 0),
         **made_by,  # every shard's codes were made so (a merge refuses parts made otherwise)
     }

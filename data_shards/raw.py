@@ -6,6 +6,10 @@ Clips (segment `{"video": i}`) are stored in one of two ways, never as a pickle 
 - a video file (.mp4, .webm, .mkv, .mov, .avi): its original bytes, as member `KEY.video<i>.<ext>`;
 - decoded frames (from a `.npy` array or a folder of frames): one lossless PNG per frame, as members
   `KEY.video<i>.<t>.png` with t = 000000, 000001, ... in frame order.
+
+A conversation (chat SFT data) is a sample whose `KEY.json` is `{"messages": [{"role": ..., "segments": [{"text":
+...} | {"image": i}, ...]}, ...]}` (images numbered across the whole conversation, members `KEY.<i>.png` as for
+documents); `parse_document` returns it as a `Conversation`.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import json
 import re
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +28,7 @@ import numpy as np
 from PIL import Image
 
 from common.files import atomic_path, atomic_write_json
+from tokenizer.chat import ROLES, Turn
 from tokenizer.video.clips import VIDEO_SUFFIXES, read_clip, read_frame_images
 
 RAW_FORMAT = "early-fusion-raw/1"
@@ -51,6 +56,21 @@ class VideoFile:
     def __post_init__(self) -> None:
         if self.suffix.lower().lstrip(".") not in VIDEO_EXTENSIONS:
             raise ValueError(f"video suffix {self.suffix!r} is not one of {sorted(VIDEO_EXTENSIONS)}")
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """A conversation sample of a raw shard: its turns in order, each a `tokenizer.chat.Turn` whose parts are `str`
+    text and ("image", bytes) images (decode with open_image)."""
+
+    turns: tuple[Turn, ...]
+
+
+def _png(image: Image.Image) -> bytes:
+    """An image as lossless PNG bytes (palette and other modes as RGBA)."""
+    buffer = io.BytesIO()
+    (image if image.mode in ("RGB", "RGBA", "L") else image.convert("RGBA")).save(buffer, format="PNG")
+    return buffer.getvalue()
 
 
 def check_key(key: str) -> str:
@@ -155,11 +175,8 @@ class RawShardWriter:
             if isinstance(segment, str):
                 json_segments.append({"text": segment})
             elif isinstance(segment, Image.Image):
-                buffer = io.BytesIO()
-                image = segment if segment.mode in ("RGB", "RGBA", "L") else segment.convert("RGBA")
-                image.save(buffer, format="PNG")
                 json_segments.append({"image": len(images)})
-                images.append(buffer.getvalue())
+                images.append(_png(segment))
             elif isinstance(segment, VideoFile):
                 json_segments.append({"video": len(videos)})
                 videos.append([(segment.suffix.lower().lstrip("."), segment.data)])
@@ -178,6 +195,39 @@ class RawShardWriter:
                 raise TypeError(f"sample {key!r} segment {i}: expected str, PIL.Image, VideoFile or a uint8 "
                                 f"(T, H, W, 3) array, got {type(segment).__name__}")
         body = json.dumps({"segments": json_segments}, ensure_ascii=False).encode()
+        self._store(key, body, images, videos)
+        self.counts["text_segments"] += len(json_segments) - len(images) - len(videos)
+
+    def add_conversation(self, key: str, turns: Sequence[Turn]) -> None:
+        """Append one conversation: turns of roles system/user/assistant whose parts are `str` text and PIL images
+        (stored as PNG members numbered across the conversation); at least one assistant turn."""
+        check_key(key)
+        if key in self._keys:
+            raise ValueError(f"duplicate sample key {key!r}: keys must be unique within a raw shard directory")
+        if not any(turn.role == "assistant" for turn in turns):
+            raise ValueError(f"conversation {key!r} has no assistant turn, so nothing would be trained")
+        messages, images, texts = [], [], 0
+        for number, turn in enumerate(turns):
+            if turn.role not in ROLES:
+                raise ValueError(f"conversation {key!r} message {number}: unknown role {turn.role!r}")
+            segments = []
+            for part in turn.parts:
+                if isinstance(part, str):
+                    segments.append({"text": part})
+                    texts += 1
+                elif isinstance(part, Image.Image):
+                    segments.append({"image": len(images)})
+                    images.append(_png(part))
+                else:
+                    raise TypeError(f"conversation {key!r} message {number}: a part is str or a PIL image, got "
+                                    f"{type(part).__name__}")
+            messages.append({"role": turn.role, "segments": segments})
+        self._store(key, json.dumps({"messages": messages}, ensure_ascii=False).encode(), images, [])
+        self.counts["text_segments"] += texts
+        self.counts["conversations"] = self.counts.get("conversations", 0) + 1
+
+    def _store(self, key: str, body: bytes, images: list[bytes], videos: list[list[tuple[str, bytes]]]) -> None:
+        """Write one sample's members (json, images, clips), starting a new shard when this one is full."""
         size = len(body) + sum(len(b) for b in images) + sum(len(b) for members in videos for _, b in members)
         if self._tar is not None and (
             self._current["documents"] >= self.shard_max_docs
@@ -199,7 +249,6 @@ class RawShardWriter:
         self.counts["documents"] += 1
         self.counts["images"] += len(images)
         self.counts["videos"] += len(videos)
-        self.counts["text_segments"] += len(json_segments) - len(images) - len(videos)
 
     def has_key(self, key: str) -> bool:
         """Whether a document with this key was already added."""
@@ -337,10 +386,11 @@ def _video_members(where: str, index: int, files: dict[str, bytes]) -> tuple[byt
     return tuple(frames[t] for t in range(len(frames))), ".png"
 
 
-def parse_document(shard: str, key: str, files: dict[str, bytes]) -> list[str | tuple]:
+def parse_document(shard: str, key: str, files: dict[str, bytes]) -> list[str | tuple] | Conversation:
     """Check one raw sample and return its segments: `str` for text, ("image", bytes) for an image,
     ("video", bytes, suffix) for a clip stored as a video file (suffix ".mp4", ".webm", ...) and
-    ("video", (png bytes, ...), ".png") for a clip stored as frames; decode clips with `open_video`."""
+    ("video", (png bytes, ...), ".png") for a clip stored as frames; decode clips with `open_video`. A conversation
+    sample (`{"messages": [...]}`) comes back as a `Conversation` of turns with text and image parts."""
     where = f"shard {shard}, key {key!r}"
     if "json" not in files:
         raise ShardError(f"{where}: no .json member (members: {sorted(files)})")
@@ -348,6 +398,8 @@ def parse_document(shard: str, key: str, files: dict[str, bytes]) -> list[str | 
         body = json.loads(files["json"])
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ShardError(f"{where}: .json is not valid JSON ({err})") from err
+    if isinstance(body, dict) and "messages" in body and "segments" not in body:
+        return _parse_conversation(where, body["messages"], files)
     segments = body.get("segments") if isinstance(body, dict) else None
     if not isinstance(segments, list) or not segments:
         raise ShardError(f'{where}: .json must be {{"segments": [...]}} with at least one segment')
@@ -356,11 +408,7 @@ def parse_document(shard: str, key: str, files: dict[str, bytes]) -> list[str | 
         if isinstance(segment, dict) and set(segment) == {"text"} and isinstance(segment["text"], str):
             out.append(segment["text"])
         elif isinstance(segment, dict) and set(segment) == {"image"} and isinstance(segment["image"], int):
-            index = segment["image"]
-            member = next((ext for ext in files if ext.partition(".")[0] == str(index)), None)
-            if member is None or member.rpartition(".")[2] not in IMAGE_EXTENSIONS:
-                raise ShardError(f"{where}: segment {i} references image {index} but no {index}.png/.jpg member exists")
-            out.append(("image", files[member]))
+            out.append(_image_member(where, i, segment["image"], files))
         elif (isinstance(segment, dict) and set(segment) == {"video"} and isinstance(segment["video"], int)
               and not isinstance(segment["video"], bool)):
             out.append(("video", *_video_members(where, segment["video"], files)))
@@ -368,6 +416,41 @@ def parse_document(shard: str, key: str, files: dict[str, bytes]) -> list[str | 
             raise ShardError(f'{where}: segment {i} must be {{"text": str}}, {{"image": int}} or {{"video": int}}, '
                              f"got {segment!r}")
     return out
+
+
+def _image_member(where: str, segment: int, index: int, files: dict[str, bytes]) -> tuple[str, bytes]:
+    """("image", bytes) of image `index` of a sample, or ShardError when no image member holds it."""
+    member = next((ext for ext in files if ext.partition(".")[0] == str(index)), None)
+    if member is None or member.rpartition(".")[2] not in IMAGE_EXTENSIONS:
+        raise ShardError(f"{where}: segment {segment} references image {index} but no {index}.png/.jpg member exists")
+    return "image", files[member]
+
+
+def _parse_conversation(where: str, messages: object, files: dict[str, bytes]) -> Conversation:
+    """The `Conversation` of a sample's `{"messages": [{"role", "segments"}, ...]}`; ShardError on any other shape."""
+    if not isinstance(messages, list) or not messages:
+        raise ShardError(f'{where}: a conversation\'s .json is {{"messages": [{{"role": ..., "segments": [...]}}, '
+                         "...]}} with at least one message")
+    turns = []
+    for number, message in enumerate(messages):
+        at = f"{where}, message {number}"
+        if (not isinstance(message, dict) or set(message) != {"role", "segments"} or message["role"] not in ROLES
+                or not isinstance(message["segments"], list)):
+            raise ShardError(f'{at}: a message is {{"role": one of {", ".join(ROLES)}, "segments": [...]}}, got '
+                             f"{message!r:.80}")
+        parts: list[str | tuple[str, bytes]] = []
+        for i, segment in enumerate(message["segments"]):
+            if isinstance(segment, dict) and set(segment) == {"text"} and isinstance(segment["text"], str):
+                parts.append(segment["text"])
+            elif (isinstance(segment, dict) and set(segment) == {"image"} and isinstance(segment["image"], int)
+                  and not isinstance(segment["image"], bool)):
+                parts.append(_image_member(at, i, segment["image"], files))
+            else:
+                raise ShardError(f'{at}: segment {i} must be {{"text": str}} or {{"image": int}}, got {segment!r:.80}')
+        turns.append(Turn(message["role"], tuple(parts)))
+    if not any(turn.role == "assistant" for turn in turns):
+        raise ShardError(f"{where}: the conversation has no assistant turn; re-create the shard")
+    return Conversation(tuple(turns))
 
 
 def open_video(segment: tuple, name: str, max_frames: int | None = None) -> np.ndarray:
@@ -379,9 +462,9 @@ def open_video(segment: tuple, name: str, max_frames: int | None = None) -> np.n
     return read_clip(payload, name=name, suffix=suffix, max_frames=max_frames)
 
 
-def iter_raw_shard(path: str | Path) -> Iterator[tuple[str, list[str | tuple]]]:
-    """Yield (key, segments) from one raw shard; images and clips stay encoded bytes (decode with open_image,
-    open_video)."""
+def iter_raw_shard(path: str | Path) -> Iterator[tuple[str, list[str | tuple] | Conversation]]:
+    """Yield (key, segments) from one raw shard, or (key, Conversation) for a conversation sample; images and clips
+    stay encoded bytes (decode with open_image, open_video)."""
     path = Path(path)
     allowed = {"json"} | IMAGE_EXTENSIONS | VIDEO_EXTENSIONS
     for key, files in iter_tar_samples(path, allowed):

@@ -5,6 +5,16 @@ Layout of a token directory: `manifest.json` and, per shard NAME, `NAME.ids.npy`
 document in an error) and `NAME.meta.json` (counts, settings, the sha256 of the raw shard it came from and
 the size + sha256 of each of the three files above; written last, so its presence means the shard is complete).
 Opening a shard checks those checksums (once per process and file); `verify_token_dir` checks everything.
+
+A shard holding at least one conversation (chat SFT data) also has `NAME.targets.npy`: uint8, one entry per id,
+bit 0 (`TARGET`) = the token is a training target, bit 1 (`CONVERSATION`) = it belongs to a conversation, which
+packing never cuts. Plain documents there are all 1; a conversation's prompt and context tokens (`<s>`, system and
+user turns with their `<sep>`) are 2, its trained roles' turns (with the `</s>` ending each answer) 3. Shards
+without conversations have no such file (every token is a target). The mask is stored, not derived from the ids,
+because the markers alone cannot tell a system turn from a user turn (`<sep>` ends both), so a run training one of
+them could not be told from the ids, and because a shard mixing documents and conversations needs a per-document
+"never cut" flag. It is checksummed in the meta's `files` like the others, and `verify_shard` checks it against
+the markers and the recorded `target_roles`.
 """
 
 from __future__ import annotations
@@ -40,6 +50,9 @@ MANIFEST_FIELDS = {
 LAYOUT_FIELDS = ("vocab_size", "image_offset", "image_codes", "pad_id", "bos_id", "eos_id")
 SHARD_FILES = (".ids.npy", ".offsets.npy", ".keys.json")
 FEATURES_FILE = ".features.npy"  # optional: pre-quantisation image features, one row per image-code position
+TARGETS_FILE = ".targets.npy"  # shards with conversations: uint8 per id, the bits below
+TARGET = 1  # bit 0 of a targets entry: the token is a training target
+CONVERSATION = 2  # bit 1: the token belongs to a conversation (packing never cuts it)
 # A manifest's `feature_kind` when its features are continuous images' latent patches (one row per `<image>`
 # placeholder position, written by a continuous image tokenizer); pre-quantisation features have "pre-quantisation".
 LATENT_KIND = "latent"
@@ -147,11 +160,14 @@ class FeatureWriter:
 
 def write_token_shard(out_dir: str | Path, name: str, keys: list[str], documents: list[list[int] | np.ndarray],
                       info: dict,
-                      features: np.ndarray | FeatureWriter | None = None) -> dict:
+                      features: np.ndarray | FeatureWriter | None = None,
+                      targets: list[np.ndarray] | None = None) -> dict:
     """Write one token shard atomically (ids, offsets, then meta last); returns its meta.
 
     `features` (rows, C) float16: one row per image-code position of the ids, in order (late fusion reads them);
-    or a `FeatureWriter` that already holds them on disk (finished here, before the meta).
+    or a `FeatureWriter` that already holds them on disk (finished here, before the meta). `targets`: per document
+    its uint8 target mask (`TARGET` / `CONVERSATION` bits), written as `NAME.targets.npy` (shards with
+    conversations).
     """
     out_dir = Path(out_dir)
     vocab_size = info["vocab_size"]
@@ -171,6 +187,11 @@ def write_token_shard(out_dir: str | Path, name: str, keys: list[str], documents
         f"{name}.keys.json": _write_checked(out_dir / f"{name}.keys.json",
                                             (json.dumps(keys, indent=2) + "\n").encode()),
     }
+    if targets is not None:
+        marks = np.concatenate([np.asarray(t, dtype=np.uint8) for t in targets]) if targets else np.zeros(0, np.uint8)
+        if len(targets) != len(documents) or len(marks) != len(flat):
+            raise ValueError(f"shard {name}: {len(marks)} target entries for {len(flat)} ids")
+        files[f"{name}{TARGETS_FILE}"] = _write_checked(out_dir / f"{name}{TARGETS_FILE}", _npy_bytes(marks))
     if isinstance(features, FeatureWriter):
         files[f"{name}{FEATURES_FILE}"] = features.finish()
     elif features is not None:
@@ -193,7 +214,8 @@ def write_token_shard(out_dir: str | Path, name: str, keys: list[str], documents
 def manifest_entry(meta: dict) -> dict:
     """What the manifest lists of one shard's meta."""
     return {k: v for k, v in meta.items()
-            if k in ("name", "source", "raw_sha256", "documents", "tokens", "images", "clips", "max_id", "files")}
+            if k in ("name", "source", "raw_sha256", "documents", "tokens", "images", "clips", "conversations",
+                     "max_id", "files")}
 
 
 def write_manifest(token_dir: str | Path, header: dict, shard_metas: list[dict]) -> dict:
@@ -208,6 +230,8 @@ def write_manifest(token_dir: str | Path, header: dict, shard_metas: list[dict])
         "images": sum(s.get("images", 0) for s in shards),
         # only shards with clips add the field: image-only manifests stay as they were
         **({"clips": sum(s.get("clips", 0) for s in shards)} if any("clips" in s for s in shards) else {}),
+        **({"conversations": sum(s.get("conversations", 0) for s in shards)}
+           if any(s.get("conversations") for s in shards) else {}),
         "shards": shards,
     }
     atomic_write_json(Path(token_dir) / MANIFEST, manifest)
@@ -283,6 +307,7 @@ class TokenShard:
         self._keys: list[str] | None = None
         self._features: np.ndarray | None = None
         self._feature_start: np.ndarray | None = None
+        self._targets: np.ndarray | None = None
         ids_path, offsets_path = self.path(".ids.npy"), self.path(".offsets.npy")
         self.meta = read_shard_meta(self.token_dir, name)
         if self.meta is None:
@@ -326,7 +351,7 @@ class TokenShard:
         """Check each file's size and sha256 against the meta (no-op for shards written without checksums)."""
         if not self.has_checksums:
             return
-        optional = (FEATURES_FILE,) if self.has_features else ()
+        optional = ((FEATURES_FILE,) if self.has_features else ()) + ((TARGETS_FILE,) if self.has_targets else ())
         for suffix in SHARD_FILES + optional:
             expected = self.meta["files"].get(f"{self.name}{suffix}")
             if not isinstance(expected, dict):
@@ -341,6 +366,83 @@ class TokenShard:
                         except ShardError as id_err:
                             raise ShardError(f"{id_err} ({err})") from err
                 raise
+
+    @property
+    def has_targets(self) -> bool:
+        """Whether the shard stores a target mask (`NAME.targets.npy`: it holds conversations)."""
+        return self.has_checksums and f"{self.name}{TARGETS_FILE}" in self.meta["files"]
+
+    @property
+    def targets(self) -> np.ndarray | None:
+        """The target mask (uint8 per id, read-only memmap; `TARGET` / `CONVERSATION` bits), or None for a shard
+        without conversations (every token a target)."""
+        if self._targets is None and self.has_targets:
+            path = self.path(TARGETS_FILE)
+            try:
+                targets = np.load(path, mmap_mode="r", allow_pickle=False)
+            except Exception as err:  # noqa: BLE001 - a damaged .npy header surfaces as almost anything
+                raise ShardError(f"shard {self.name}: unreadable {path} ({type(err).__name__}: {err}); {_REMEDY}") from err
+            if targets.dtype != np.uint8 or targets.shape != self.ids.shape:
+                raise ShardError(f"shard {self.name}: {path} holds {targets.dtype} {targets.shape}, not uint8 "
+                                 f"({len(self.ids)},) like its ids; {_REMEDY}")
+            self._targets = targets
+        return self._targets
+
+    def conversation_documents(self) -> np.ndarray:
+        """Per document: whether it is a conversation (never cut; the `CONVERSATION` bit of its first token)."""
+        lengths = self.lengths
+        out = np.zeros(len(lengths), dtype=bool)
+        targets = self.targets
+        if targets is not None:
+            filled = lengths > 0
+            out[filled] = (np.asarray(targets[self.offsets[:-1][filled]]) & CONVERSATION) != 0
+        return out
+
+    def check_targets(self, sep_id: int, eos_id: int, target_roles: list[str] | tuple[str, ...]) -> None:
+        """Raise ShardError naming the document whose stored target mask disagrees with its ids' markers and the
+        trained roles (`shards verify`'s rule): the conversation bit constant within each document, plain documents
+        all `TARGET`, and in a conversation `<s>` never a target, each turn (ended by `<sep>`, or by `</s>` for the
+        assistant's, marker included) entirely a target or not as its role is trained."""
+        targets = self.targets
+        if targets is None or not len(self.ids):
+            return
+        ids = np.asarray(self.ids, dtype=np.int64)
+        marks = np.asarray(targets)
+        n = len(ids)
+        doc_of = np.repeat(np.arange(len(self), dtype=np.int64), self.lengths)
+        starts = self.offsets[:-1][self.lengths > 0]
+        conv = (marks & CONVERSATION) != 0
+        target = (marks & TARGET) != 0
+        bad = np.zeros(n, dtype=bool)
+        bad |= marks > (TARGET | CONVERSATION)
+        bad |= conv != conv[self.offsets[:-1][doc_of]]  # the conversation bit is its document's first token's
+        bad |= ~conv & ~target  # a plain document is a target everywhere
+        # turns: a new segment at each document start, right after `<s>` and right after each end of turn
+        is_end = (ids == sep_id) | (ids == eos_id)
+        begins = np.zeros(n, dtype=bool)
+        begins[starts] = True
+        after_start = starts + 1
+        begins[after_start[after_start < n]] = True
+        begins[1:] |= is_end[:-1]
+        segment = np.cumsum(begins) - 1
+        first = np.flatnonzero(begins)
+        last = np.concatenate([first[1:], [n]]) - 1
+        roles = set(target_roles)
+        others = len(roles & {"system", "user"})  # 0: no <sep> turn trained, 2: all, 1: each turn all or nothing
+        kind = np.where(ids[last] == eos_id, 1, np.where(ids[last] == sep_id, 2, 0))  # answer / other / neither
+        kind[np.isin(first, starts)] = 0  # `<s>` (a document's first token) is never a target
+        expected = np.where(kind == 1, int("assistant" in roles), np.where(kind == 2, -1 if others == 1 else
+                                                                            int(others == 2), 0))
+        lowest = np.minimum.reduceat(target.astype(np.int8), first)
+        highest = np.maximum.reduceat(target.astype(np.int8), first)
+        wrong = np.where(expected < 0, lowest != highest, (lowest != expected) | (highest != expected))
+        bad |= conv & wrong[segment]
+        if bad.any():
+            at = int(np.flatnonzero(bad)[0])
+            document = int(doc_of[at])
+            raise ShardError(f"shard {self.name}, document {document} (key {self.keys[document]!r}): its target mask "
+                             f"({self.path(TARGETS_FILE)}) disagrees with its ids at id {at - int(self.offsets[document])}"
+                             f" (value {int(marks[at])}; trained roles {', '.join(sorted(roles))}); {_REMEDY}")
 
     @property
     def has_features(self) -> bool:
@@ -449,6 +551,13 @@ def verify_shard(token_dir: str | Path, entry: dict, vocab_size: int, layout: di
     for start in range(0, len(shard.ids), _HASH_CHUNK):
         shard.check_ids(start, min(start + _HASH_CHUNK, len(shard.ids)))
     shard.keys  # noqa: B018 -- reading them checks their count
+    if shard.has_targets:
+        layout = layout or {}
+        missing = [f for f in ("sep_id", "eos_id") if not isinstance(layout.get(f), int)]
+        if missing:
+            raise ShardError(f"{where}: holds conversations, but its manifest lacks {', '.join(missing)}; {_REMEDY}")
+        shard.check_targets(layout["sep_id"], layout["eos_id"],
+                            shard.meta.get("target_roles") or layout.get("target_roles") or ["assistant"])
     if layout is not None and layout.get("feature_dim"):
         shard.check_features_finite(layout.get("image_offset"), layout.get("image_codes"), latent_placeholder(layout))
 

@@ -1,6 +1,8 @@
 """Tokenize one raw shard into the token shard of its stem: images, clips and latents encoded in batches.
 
-A [text, image] pair document is emitted in the other order by a rule seeded per key (`flip_pair`). What this
+A [text, image] pair document is emitted in the other order by a rule seeded per key (`flip_pair`); a conversation
+never is: it becomes `tokenizer.chat.encode_conversation`'s ids and its per-token target mask (the trained roles,
+`info["target_roles"]`), stored as the shard's `NAME.targets.npy` (`data_shards.token_shards`). What this
 writes depends only on the raw shard and the settings in `info` (`pretokenize` decides them, and which shards to
 do); the token shard format is `data_shards.token_shards`.
 """
@@ -15,8 +17,9 @@ import numpy as np
 import torch
 from PIL import Image
 
-from data_shards.raw import ShardError, iter_raw_shard, open_video
-from data_shards.token_shards import FeatureWriter, sha256_file, write_token_shard
+from data_shards.raw import Conversation, ShardError, iter_raw_shard, open_video
+from data_shards.token_shards import CONVERSATION, TARGET, FeatureWriter, sha256_file, write_token_shard
+from tokenizer.chat import DEFAULT_TARGET_ROLES, Turn, encode_conversation
 from tokenizer.image.preprocess import ImageLoadError, open_image
 from tokenizer.layout import patchify
 from tokenizer.vocab import NO_VIDEO_MARKERS, LatentImage
@@ -97,7 +100,11 @@ def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: 
     raw_sha256 = raw_sha256 or sha256_file(raw_path)
     keys: list[str] = []
     documents: list[np.ndarray] = []  # int64 ids: 8 bytes a token where a list of ints takes about 36
-    pending: list[tuple[str, list]] = []
+    # per document its target mask (uint8, token_shards' bits) for a conversation, None for a plain document
+    marks: list[np.ndarray | None] = []
+    target_roles = tuple(info.get("target_roles") or DEFAULT_TARGET_ROLES)
+    # (key, segments, turns): a conversation's segments are its turns' parts in order, `turns` its turns
+    pending: list[tuple[str, list, tuple[Turn, ...] | None]] = []
     images_done = clips_done = 0
     with_features = bool(info.get("features"))
     patch_size = info.get("patch_size")  # set for a continuous image tokenizer: its latents are cut into patches
@@ -112,8 +119,8 @@ def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: 
 
         def flush() -> None:
             nonlocal images_done, clips_done
-            images = [s for _, segments in pending for s in segments if isinstance(s, Image.Image)]
-            clips = [s for _, segments in pending for s in segments if isinstance(s, np.ndarray)]
+            images = [s for _, segments, _ in pending for s in segments if isinstance(s, Image.Image)]
+            clips = [s for _, segments, _ in pending for s in segments if isinstance(s, np.ndarray)]
             grids: list[torch.Tensor] = []
             image_features: list[torch.Tensor] = []
             for start in range(0, len(images), batch_size):
@@ -146,7 +153,7 @@ def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: 
                                          "the tokenizer bundle")
                     clip_grids.extend(codes)
             grid_iter, clip_iter, feature_iter = iter(grids), iter(clip_grids), iter(image_features)
-            for key, segments in pending:
+            for key, segments, turns in pending:
                 segments = [next(grid_iter) if isinstance(s, Image.Image) else
                             next(clip_iter) if isinstance(s, np.ndarray) else s for s in segments]
                 if patch_size:  # an image is its count of patches: `<boi>`, that many `<image>`, `<eoi>`
@@ -161,18 +168,35 @@ def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: 
                                                  "NaN or infinite latents (or features beyond float16) for its image; "
                                                  "check the image and the tokenizer bundle")
                             writer.write(rows)
+                mark = None
                 try:
-                    ids = vocab.encode_document(segments, bos=True, eos=True)
+                    if turns is None:
+                        ids = vocab.encode_document(segments, bos=True, eos=True)
+                    else:  # the turns again, their images now code grids (or latent patches)
+                        rebuilt, at = [], 0
+                        for turn in turns:
+                            rebuilt.append(Turn(turn.role, tuple(segments[at : at + len(turn.parts)])))
+                            at += len(turn.parts)
+                        ids, targets = encode_conversation(vocab, rebuilt, target_roles)
+                        mark = CONVERSATION | (np.asarray(targets, dtype=np.uint8) * TARGET)
                 except (ValueError, IndexError) as err:
-                    raise ShardError(f"shard {raw_path.name}, key {key!r}: cannot encode document ({err})") from err
+                    what = "document" if turns is None else "conversation"
+                    raise ShardError(f"shard {raw_path.name}, key {key!r}: cannot encode {what} ({err})") from err
                 keys.append(key)
                 documents.append(np.asarray(ids, dtype=np.int64))
+                marks.append(mark)
             images_done += len(images)
             clips_done += len(clips)
             pending.clear()
 
         pending_images = pending_frames = 0
-        for key, raw_segments in iter_raw_shard(raw_path):
+        for key, sample in iter_raw_shard(raw_path):
+            turns = sample.turns if isinstance(sample, Conversation) else None
+            if turns is not None and getattr(vocab, "sep_id", None) is None:
+                raise ShardError(f"shard {raw_path.name}, key {key!r}: a conversation needs the vocabulary's <sep> "
+                                 "(the end of a system or user turn), which this vocabulary lacks; build one with "
+                                 "`train.py vocab`")
+            raw_segments = [part for turn in turns for part in turn.parts] if turns is not None else sample
             segments: list[str | Image.Image] = []
             for segment in raw_segments:
                 if isinstance(segment, str):
@@ -188,9 +212,10 @@ def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: 
                     segments.append(open_image(segment[1], name=f"{raw_path.name}:{key}"))
                 except ImageLoadError as err:
                     raise ShardError(f"shard {raw_path.name}, key {key!r}: {err}") from err
-            if _is_pair(segments) and flip_pair(key, info["seed"], info["flip_probability"]):
+            # never a conversation: its order is the dialogue's
+            if turns is None and _is_pair(segments) and flip_pair(key, info["seed"], info["flip_probability"]):
                 segments.reverse()
-            pending.append((key, segments))
+            pending.append((key, segments, turns))
             pending_images += sum(isinstance(s, Image.Image) for s in segments)
             pending_frames += sum(s.shape[0] for s in segments if isinstance(s, np.ndarray))
             if pending_images >= batch_size or pending_frames >= batch_size:
@@ -200,7 +225,12 @@ def tokenize_shard(raw_path: Path, out_dir: Path, vocab, image_tokenizer, info: 
         if sha256_file(raw_path) != raw_sha256:
             raise ShardError(f"shard {raw_path}: the raw shard changed while it was being tokenized; run "
                              "`shards tokenize` again once it is no longer being written")
+        conversations = sum(mark is not None for mark in marks)
+        # a shard without conversations has no targets file (every token is a target)
+        targets = [np.full(len(ids), TARGET, dtype=np.uint8) if mark is None else mark
+                   for ids, mark in zip(documents, marks)] if conversations else None
         return write_token_shard(out_dir, name, keys, documents,
                                  {**info, "images": images_done, **({"clips": clips_done} if clips_done else {}),
+                                  **({"conversations": conversations} if conversations else {}),
                                   "source": raw_path.name, "raw_sha256": raw_sha256},
-                                 features=writer)
+                                 features=writer, targets=targets)

@@ -231,11 +231,12 @@ def derive_family(config) -> None:
     train_dir = Path(str(config.data.get("train_dir") or ""))
     manifest: dict = {}
     if (train_dir / "manifest.json").is_file():
-        from data_shards.datamodule import check_image_kind
+        from data_shards.datamodule import check_conversations, check_image_kind
         from data_shards.plan import read_index
 
         manifest = read_index(train_dir).header  # the manifest's fields: no rank parses its O(shards) list
         check_image_kind(str(train_dir), manifest, ("input_ids", *family.batch_keys))  # codes vs latents, first
+        check_conversations(str(train_dir), manifest, tuple(family.batch_keys), name)  # answer-only loss needed
     vocab = None
     vocab_path = config.data.get("vocab")
     if vocab_path and Path(vocab_path).is_file():

@@ -41,6 +41,12 @@ def build_parser() -> argparse.ArgumentParser:
     write.add_argument("--text", action="append", default=[], metavar="FILE",
                        help="text-only corpus: a .txt file (one document) or .jsonl (one per line) (repeatable)")
     write.add_argument("--text-key", default="text", help="field holding the text in --text .jsonl files")
+    write.add_argument("--chat", action="append", default=[], metavar="FILE_OR_DIR",
+                       help="conversations for post-training (repeatable): a JSON Lines file, or a folder of them "
+                            "(every *.jsonl, sorted), one {\"messages\": [{\"role\": system|user|assistant, "
+                            "\"content\": str or [{\"type\": \"text\", \"text\": ...}, {\"type\": \"image\", "
+                            "\"path\": ...}]}]} per line (image paths relative to the file's folder). A structural "
+                            "error refuses the run naming file and line; a missing image skips its conversation")
     write.add_argument("--demo", action="append", default=[], choices=["digits", "photos", "text"],
                        help="built-in offline demo data: captioned MNIST digits, scikit-image photos, "
                             "KJV English text (repeatable)")
@@ -66,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     tok.add_argument("--flip-probability", type=float, default=0.5,
                      help="probability that a [caption, image] pair is emitted as [image, caption]")
     tok.add_argument("--seed", type=int, default=0, help="seed of the per-document flip decisions")
+    tok.add_argument("--train-roles", default="assistant", metavar="ROLES",
+                     help="conversations (from `shards write --chat`): the roles whose turns are training targets, "
+                          "comma-separated from system, user, assistant; recorded as the manifest's target_roles "
+                          "and stored per token (NAME.targets.npy). Conversations are never flipped")
     tok.add_argument("--workers", default="auto",
                      help="processes, each tokenizing whole shards on one thread; auto: the cores other processes "
                           "leave idle (measured at start)")
@@ -157,6 +167,8 @@ def _write(args: argparse.Namespace) -> int:
     streams += [sources.obelics_jsonl(p, args.image_root) for p in args.obelics]
     if args.text:
         streams.append(sources.text_corpus(args.text, args.text_key))
+    if args.chat:  # every file's structure is checked here, before anything is written
+        streams.append(sources.chat_jsonl(args.chat))
     demos = {"digits": lambda: sources.demo_digits(args.demo_limit), "photos": sources.demo_photos,
              "text": lambda: sources.demo_text(limit=args.demo_limit)}
     streams += [itertools.islice(demos[name](), args.demo_limit) for name in args.demo]
@@ -164,11 +176,12 @@ def _write(args: argparse.Namespace) -> int:
         streams.append(itertools.islice(sources.demo_emoji(args.emoji_dir), args.demo_limit))
     if not streams:
         raise ValueError("give `shards write` at least one source (--image-folder, --video-folder, --img2dataset, "
-                         "--obelics, --text, --demo)")
+                         "--obelics, --text, --chat, --demo)")
     manifest = sources.write_raw(itertools.chain(*streams), args.out, strict=args.strict,
                                  shard_max_bytes=int(args.shard_max_mb * 1024 * 1024),
                                  shard_max_docs=args.shard_max_docs)
     videos = f", {manifest['videos']} clips" if manifest.get("videos") else ""
+    videos += f", {manifest['conversations']} conversations" if manifest.get("conversations") else ""
     print(f"wrote {manifest['documents']} documents ({manifest['images']} images{videos}) in "
           f"{len(manifest['shards'])} shards to {args.out}; skipped {manifest['skipped_count']}")
     for skip in manifest["skipped"][:10]:
@@ -198,6 +211,9 @@ def _tokenize(args: argparse.Namespace) -> int:
     if workers == 1:  # in this process: one thread, as each worker process uses
         choose_threads(1, log=None)
     read_raw_manifest(args.raw)  # fail before loading models
+    from tokenizer.chat import parse_roles
+
+    parse_roles(args.train_roles)  # an unknown role too
     if args.features and not args.image_tokenizer:
         raise ValueError("--features needs --image-tokenizer: its encoder computes the features")
     vocab = UnifiedVocab.load(args.vocab)
@@ -210,7 +226,7 @@ def _tokenize(args: argparse.Namespace) -> int:
     manifest = pretokenize(args.raw, args.out, vocab, image_tokenizer, flip_probability=args.flip_probability,
                            seed=args.seed, num_workers=workers, batch_size=args.batch_size,
                            progress=not args.no_progress, features=args.features, rank=rank, world_size=world_size,
-                           patch_size=args.patch_size)
+                           patch_size=args.patch_size, target_roles=args.train_roles)
     if manifest["format"] == PART_FORMAT:
         shards = manifest["shards"]
         print(f"rank {rank} of {world_size}: {len(shards)} token shards ({sum(s['entry']['documents'] for s in shards)} "
@@ -225,6 +241,9 @@ def _tokenize(args: argparse.Namespace) -> int:
         count = sum((read_shard_meta(args.out, s["name"]) or {}).get("clips", 0) for s in manifest["shards"])
         clips = (f", {count} clips ({manifest['clip_frames']} frames -> "
                  f"{'x'.join(map(str, manifest['video_grid']))} codes each)")
+    if manifest.get("conversations"):
+        clips += (f", {manifest['conversations']} conversations (targets: the turns of "
+                  f"{', '.join(manifest['target_roles'])})")
     print(f"{manifest['documents']} documents, {manifest['tokens']} tokens, {manifest['images']} images{clips} "
           f"in {len(manifest['shards'])} token shards at {args.out}{merged}")
     return 0
@@ -247,7 +266,7 @@ def _inspect(args: argparse.Namespace) -> int:
     manifest = json.loads(manifest_path.read_text())  # a JSONDecodeError is a ValueError: exit code 2
     kind = manifest.get("format", "") if isinstance(manifest, dict) else ""
     if kind.startswith("early-fusion-raw"):
-        from data_shards.raw import iter_raw_shard, read_raw_manifest
+        from data_shards.raw import Conversation, iter_raw_shard, read_raw_manifest
 
         manifest = read_raw_manifest(args.dir)
         print(json.dumps({k: v for k, v in manifest.items() if k != "skipped"}, indent=2))
@@ -256,7 +275,11 @@ def _inspect(args: argparse.Namespace) -> int:
             for key, segments in iter_raw_shard(Path(args.dir) / shard["name"]):
                 if shown >= args.show:
                     return 0
-                parts = [s if isinstance(s, str) else _describe_raw(s) for s in segments]
+                if isinstance(segments, Conversation):
+                    parts = [f"{turn.role}: " + " ".join(p if isinstance(p, str) else _describe_raw(p)
+                                                         for p in turn.parts) for turn in segments.turns]
+                else:
+                    parts = [s if isinstance(s, str) else _describe_raw(s) for s in segments]
                 print(f"{shard['name']} {key}: {parts}")
                 shown += 1
         return 0
