@@ -200,8 +200,9 @@ class FusionModel(nn.Module):
 
     def loss(self, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None,
              position_ids: torch.Tensor | None = None, *, text_weight: float = 1.0, image_weight: float = 1.0,
-             chunk_size: int = 4096) -> dict:
-        """fusion_loss without materialising all logits: the head + CE run in checkpointed token chunks."""
+             chunk_size: int = 4096, target_mask: torch.Tensor | None = None) -> dict:
+        """fusion_loss without materialising all logits: the head + CE run in checkpointed token chunks; only
+        tokens where `target_mask` (B, T) bool is true are targets (None: every token)."""
         if document_ids is None:
             document_ids = torch.zeros_like(input_ids)
         hidden = self.forward_hidden(input_ids, position_ids, document_ids)
@@ -209,18 +210,20 @@ class FusionModel(nn.Module):
             hidden, self.head.weight, input_ids, document_ids,
             image_offset=self.config.image_offset, image_codes=self.config.image_codes,
             z_loss_coef=self.config.z_loss_coef, text_weight=text_weight, image_weight=image_weight,
-            chunk_size=chunk_size,
+            chunk_size=chunk_size, target_mask=target_mask,
         )
 
     def hidden_and_loss(self, input_ids: torch.Tensor, document_ids: torch.Tensor,
                         position_ids: torch.Tensor | None = None, *, replace: torch.Tensor | None = None,
                         replacement: torch.Tensor | None = None, visible_from: torch.Tensor | None = None,
                         ignore_id: int | None = None, text_weight: float = 1.0, image_weight: float = 1.0,
-                        chunk_size: int = 4096) -> tuple[torch.Tensor, dict]:
+                        chunk_size: int = 4096,
+                        target_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """(final hidden states, fusion_loss_from_hidden's dict) with `replacement` (N, dim) in place of the
         embeddings at the N positions where `replace` (B, T) is true (Transfusion's latent patches), `ignore_id`'s
-        targets left out. One method, so FSDP2 gathers the embedding, final norm and head around all their uses
-        (families register it with `register_fsdp_forward_method`, as `loss`)."""
+        targets and the tokens `target_mask` leaves out not scored. One method, so FSDP2 gathers the embedding,
+        final norm and head around all their uses (families register it with `register_fsdp_forward_method`, as
+        `loss`)."""
         embeds = self.embed(input_ids)
         if replace is not None:
             embeds = embeds.masked_scatter(replace[..., None], replacement.to(embeds.dtype))
@@ -229,7 +232,7 @@ class FusionModel(nn.Module):
         out = fusion_loss_from_hidden(
             hidden, self.head.weight, input_ids, document_ids, image_offset=self.config.image_offset,
             image_codes=self.config.image_codes, z_loss_coef=self.config.z_loss_coef, text_weight=text_weight,
-            image_weight=image_weight, chunk_size=chunk_size, ignore_id=ignore_id,
+            image_weight=image_weight, chunk_size=chunk_size, ignore_id=ignore_id, target_mask=target_mask,
         )
         return hidden, out
 

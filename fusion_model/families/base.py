@@ -25,7 +25,9 @@ from fusion_model.sampling.config import SamplingConfig
 BASE_BATCH_KEYS = ("input_ids", "document_ids", "position_ids")
 # Further entries the data module can add when a family asks for them.
 # image_latents (B, T, C*k*k) float: each continuous-image placeholder position's clean latent patch (Transfusion)
-OPTIONAL_BATCH_KEYS = ("image_features", "token_keys", "image_latents")
+# target_mask (B, T) bool: true where the token is a training target (answers of conversation shards; every
+# real token of pretraining shards), false at prompt tokens and padding (Chameleon's answer-only SFT)
+OPTIONAL_BATCH_KEYS = ("image_features", "token_keys", "image_latents", "target_mask")
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,21 @@ import torch
 from tokenizer.layout import image_code_mask
 
 
-def next_token_targets(input_ids: torch.Tensor, document_ids: torch.Tensor,
-                       ignore_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Targets (B, T-1) = input_ids shifted by one, and where they are valid (same document >= 0, and not
-    `ignore_id`: late fusion's image placeholders, which carry label -100)."""
+def next_token_targets(input_ids: torch.Tensor, document_ids: torch.Tensor, ignore_id: int | None = None,
+                       target_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Targets (B, T-1) = input_ids shifted by one, and where they are valid (same document >= 0, not
+    `ignore_id`: late fusion's image placeholders, which carry label -100; and `target_mask` (B, T) bool true
+    at the target: SFT's answer tokens, false at prompt tokens; None = every token)."""
     valid = (document_ids[:, :-1] == document_ids[:, 1:]) & (document_ids[:, :-1] >= 0)
     if ignore_id is not None:
         valid &= input_ids[:, 1:] != ignore_id
+    if target_mask is not None:
+        if target_mask.dtype != torch.bool or target_mask.shape != input_ids.shape:
+            raise ValueError(f"target_mask must be a torch.bool tensor shaped like input_ids "
+                             f"{tuple(input_ids.shape)}, got {target_mask.dtype} {tuple(target_mask.shape)}")
+        # the term predicting token t counts iff token t is a target (the mask is indexed by the predicted
+        # token, so a mask of per-token roles needs no shifting by whoever writes it)
+        valid &= target_mask[:, 1:]
     return input_ids[:, 1:], valid
 
 
@@ -29,9 +37,10 @@ def target_weights(targets: torch.Tensor, image_offset: int | None, image_codes:
 
 
 def target_counts(input_ids: torch.Tensor, document_ids: torch.Tensor, image_offset: int | None,
-                  image_codes: int | None, ignore_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  image_codes: int | None, ignore_id: int | None = None,
+                  target_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(text targets, image targets) of a packed batch: what the loss counts, found without a forward."""
-    targets, valid = next_token_targets(input_ids, document_ids, ignore_id)
+    targets, valid = next_token_targets(input_ids, document_ids, ignore_id, target_mask)
     is_image, _ = target_weights(targets[valid], image_offset, image_codes, 1.0, 1.0)
     n_image = is_image.sum()
     return is_image.numel() - n_image, n_image
@@ -61,17 +70,19 @@ def _summarise(ce: torch.Tensor, lse: torch.Tensor, is_image: torch.Tensor, weig
 
 def fusion_loss(logits: torch.Tensor, input_ids: torch.Tensor, document_ids: torch.Tensor | None = None, *,
                 image_offset: int | None, image_codes: int | None, z_loss_coef: float,
-                text_weight: float = 1.0, image_weight: float = 1.0) -> dict:
+                text_weight: float = 1.0, image_weight: float = 1.0,
+                target_mask: torch.Tensor | None = None) -> dict:
     """CE + z_loss_coef * mean(logsumexp(logits)^2) over valid next-token targets.
 
-    The target of token t is token t+1 only when both are in the same document (>= 0). Text vs image
+    The target of token t is token t+1 only when both are in the same document (>= 0) and, with
+    `target_mask`, token t+1 is marked a target (answer-only SFT). Text vs image
     is decided by the target id; `ce` and `z_loss` weight each target by its modality's weight, so
     image_weight=0 trains on text targets only. `text_loss`/`image_loss` are unweighted, detached
     means for logging (0 when a modality has no target).
     """
     if document_ids is None:
         document_ids = torch.zeros_like(input_ids)
-    targets, valid = next_token_targets(input_ids, document_ids)
+    targets, valid = next_token_targets(input_ids, document_ids, target_mask=target_mask)
     logits = logits[:, :-1][valid].float()
     targets = targets[valid]
     lse = torch.logsumexp(logits, dim=-1)
@@ -116,13 +127,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def fusion_loss_from_hidden(hidden: torch.Tensor, head_weight: torch.Tensor, input_ids: torch.Tensor,
                             document_ids: torch.Tensor, *, image_offset: int | None, image_codes: int | None,
                             z_loss_coef: float, text_weight: float = 1.0, image_weight: float = 1.0,
-                            chunk_size: int = 4096, ignore_id: int | None = None) -> dict:
+                            chunk_size: int = 4096, ignore_id: int | None = None,
+                            target_mask: torch.Tensor | None = None) -> dict:
     """fusion_loss from final hidden states and the head weight, computed in chunks of valid targets.
 
     With more than one chunk, each chunk's fp32 logits are recomputed in backward, so memory holds one chunk
     of (chunk_size, vocab) logits instead of (B, T, vocab): at T 4,096 x vocab 65,536 that is 1 GiB per row.
+    Prompt positions (`target_mask` false at the next token) never reach the head, so they cost no logits.
     """
-    targets, valid = next_token_targets(input_ids, document_ids, ignore_id)
+    targets, valid = next_token_targets(input_ids, document_ids, ignore_id, target_mask)
     flat_hidden = hidden[:, :-1][valid]
     targets = targets[valid]
     pieces = []

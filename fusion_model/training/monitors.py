@@ -213,7 +213,8 @@ class StabilityMonitor(L.Callback):
                 x = block(x, cos, sin, ctx)
                 squares = x.float().pow(2).mean(-1, keepdim=True)
                 found[f"block_rms/layer_{layer:0{width}d}"] = ((squares * real).sum() / real.sum().clamp_min(1)).sqrt()
-            found.update(self._output_statistics(model, model.norm(x), input_ids, document_ids, text_weight, image_weight))
+            found.update(self._output_statistics(model, model.norm(x), input_ids, document_ids, text_weight, image_weight,
+                                                 batch.get("target_mask")))
         finally:
             for attention in attentions:
                 attention.observer = None
@@ -234,11 +235,13 @@ class StabilityMonitor(L.Callback):
 
     @staticmethod
     def _output_statistics(model: FusionModel, hidden: torch.Tensor, input_ids: torch.Tensor,
-                           document_ids: torch.Tensor, text_weight: float, image_weight: float) -> dict[str, torch.Tensor]:
+                           document_ids: torch.Tensor, text_weight: float, image_weight: float,
+                           target_mask: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Mean logit and mean log Z at text / image targets (NaN without such targets, with their counts), the
-        z-loss as the loss computes it and the unweighted mean log Z², in chunks of targets."""
+        z-loss as the loss computes it and the unweighted mean log Z², in chunks of targets; with `target_mask` (a
+        conversation's answers) only the targets the loss is taken on."""
         config = model.config
-        targets, valid = next_token_targets(input_ids, document_ids)
+        targets, valid = next_token_targets(input_ids, document_ids, target_mask=target_mask)
         flat, targets = hidden[:, :-1][valid], targets[valid]
         is_image, _ = target_weights(targets, config.image_offset, config.image_codes, 1.0, 1.0)
         head = model.head.weight

@@ -18,6 +18,8 @@ class ChameleonFamily(Family):
     image alike, each target weighted by its modality's weight (`--model.text_weight`, `--model.image_weight`)."""
 
     name = "chameleon"
+    # target_mask: answer-only SFT on conversation shards (absent from a batch: every token is a target)
+    batch_keys = ("target_mask",)
     scores_image_positions = True
     exportable = True
 
@@ -28,15 +30,16 @@ class ChameleonFamily(Family):
     def denominators(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The modality-weighted number of next-token targets (what `objective` divides the loss sum by)."""
         counts = target_counts(batch["input_ids"], batch["document_ids"], self.config.image_offset,
-                               self.config.image_codes)
+                               self.config.image_codes, target_mask=batch.get("target_mask"))
         return {"loss": self.losses.weighted_count(*counts)}
 
     def objective(self, parts: Mapping[str, nn.Module], batch: Mapping[str, torch.Tensor],
                   context: ObjectiveContext) -> Objective:
-        """CE + z-loss over every next-token target, as one term (its count: the weighted targets)."""
+        """CE + z-loss over every next-token target (answer tokens only where the batch has a `target_mask`),
+        as one term (its count: the weighted targets)."""
         out = parts["model"].loss(batch["input_ids"], batch["document_ids"], batch.get("position_ids"),
                                   text_weight=self.losses.text_weight, image_weight=self.losses.image_weight,
-                                  chunk_size=self.losses.chunk_size)
+                                  chunk_size=self.losses.chunk_size, target_mask=batch.get("target_mask"))
         positions = (batch["document_ids"] >= 0).sum()
         return next_token_objective(out, self.losses, positions)
 
