@@ -44,6 +44,11 @@ _FLAGS = {"seed": "--seed", "flip_probability": "--flip-probability", "target_ro
 MAX_LISTED_FILES = 20
 
 
+def _flag_value(value: object) -> str:
+    """A header value as its command-line flag takes it (a list of roles as `assistant,user`)."""
+    return ",".join(str(item) for item in value) if isinstance(value, (list, tuple)) else str(value)
+
+
 def _differing_fields(headers: list[dict]) -> list[str]:
     """The header fields on which the parts' headers disagree, in the first header's order."""
     keys = list(dict.fromkeys(key for header in headers for key in header))
@@ -72,8 +77,8 @@ def _redo_advice(token_dir: Path, parts: list[dict], groups: list[list[int]], wo
     more = (f" and the other {len(files) - MAX_LISTED_FILES} shard metas their parts list" if len(files) >
             MAX_LISTED_FILES else "")
     kept = parts[keep[0]]["header"]
-    like = ", ".join(f"{_FLAGS[key]} {kept.get(key)}" if key in _FLAGS else f"{key} {str(kept.get(key))[:16]}"
-                     for key in differing) or "the same raw directory and settings"
+    like = ", ".join(f"{_FLAGS[key]} {_flag_value(kept.get(key))}" if key in _FLAGS
+                     else f"{key} {str(kept.get(key))[:16]}" for key in differing) or "the same raw directory and settings"
     flags = f"--rank {stale[0]}" if len(stale) == 1 else "--rank R"
     others = f"rank {_ranks(stale)}" if len(stale) == 1 else f"ranks {_ranks(stale)}"
     return (f"To keep rank {_ranks(keep)}'s part: delete {listed}{more}; then run `train.py shards tokenize` for "
