@@ -41,6 +41,26 @@ def image_block(vocabulary_map: dict | None) -> tuple[int | None, int | None]:
     return offset, len(pairs)
 
 
+def released_layout(tokenizer_json) -> str | None:
+    """Why a tokenizer.json in a released Chameleon's layout cannot become this project's vocabulary (one
+    sentence), or None for any other tokenizer (one of ours, or none)."""
+    from tokenizers import Tokenizer
+
+    from tokenizer.specials import BOI, EOI, SEP
+
+    try:
+        names = Tokenizer.from_file(str(tokenizer_json)).get_vocab(with_added_tokens=True)
+    except Exception:  # unreadable: UnifiedVocab.load says why
+        return None
+    images = [i for name, i in names.items() if image_code_of_name(name) is not None]
+    if SEP in names or not images or BOI not in names or names[BOI] < min(images):
+        return None
+    return (f"{tokenizer_json} has the released Chameleon layout ({BOI} and {EOI} after the image block, "
+            f"<reserved08706> where this project has {SEP}), but this project's vocabulary keeps its specials before "
+            "the image block, and convert import does not yet move those ids (with the decoder's embedding and "
+            "head rows) into that order: until it does, fine-tune this model in transformers (model.ckpt holds its decoder)")
+
+
 def config_from_transformers(hf_config, **overrides) -> FusionConfig:
     """FusionConfig equivalent to a transformers ChameleonConfig."""
     rope = getattr(hf_config, "rope_parameters", None) or {}

@@ -336,17 +336,22 @@ class UnifiedVocab:
         return path
 
     def to_transformers(self):
-        """A transformers `PreTrainedTokenizerFast` (bos/eos/pad/sep set, `<s>` prepended) for ChameleonProcessor."""
+        """A transformers `PreTrainedTokenizerFast` (bos/eos/pad/sep set, `<s>` prepended, the chat template of
+        tokenizer.chat) for ChameleonProcessor."""
         from tokenizers import processors
         from transformers import PreTrainedTokenizerFast
+
+        from tokenizer.chat import CHAT_TEMPLATE
 
         tokenizer = Tokenizer.from_str(self.tokenizer.to_str())
         # Chameleon's tokenizer starts every prompt with <s>; ours adds it in encode_document instead.
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, self.bos_id)]
         )
+        # the template rides on the tokenizer: a processor's own chat_template is dropped on reload (transformers 5)
         return PreTrainedTokenizerFast(
-            tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD, sep_token=SEP
+            tokenizer_object=tokenizer, bos_token=BOS, eos_token=EOS, pad_token=PAD, sep_token=SEP,
+            chat_template=CHAT_TEMPLATE,
         )
 
     @classmethod

@@ -39,7 +39,7 @@ def import_folder(source: str, output: str) -> list[str]:
     from common.compat import check_compatible
     from common.files import replace_directory
     from fusion_model.checkpoint import save_model
-    from fusion_model.hf_convert import IMAGE_TOKENIZER_FOLDER, from_transformers
+    from fusion_model.hf_convert import IMAGE_TOKENIZER_FOLDER, from_transformers, released_layout
     from tokenizer.image import ImageTokenizer
     from tokenizer.vocab import UnifiedVocab
 
@@ -49,7 +49,10 @@ def import_folder(source: str, output: str) -> list[str]:
     out.mkdir(parents=True, exist_ok=True)
     lines = [f"convert: wrote {save_model(model, out / 'model.ckpt')}"]
     vocab = None
+    released = released_layout(source_dir / "tokenizer.json") if (source_dir / "tokenizer.json").is_file() else None
     try:
+        if released:
+            raise ValueError(released)
         vocab = UnifiedVocab.load(source_dir / "tokenizer.json", expected_vocab_size=model.config.vocab_size)
     except (FileNotFoundError, ValueError) as error:
         lines.append(f"convert: no tokenizer.json written: {error}")

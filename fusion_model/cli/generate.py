@@ -157,6 +157,14 @@ def parser(config_class: type[SamplingConfig] = SamplingConfig) -> argparse.Argu
     pr.add_argument("--prompts-file", metavar="JSONL",
                     help='one prompt per line: {"segments": [{"text": "..."}, {"image": "path"}]} or {"text": "..."}; '
                          "image paths are relative to the file")
+    pr.add_argument("--chat", action="store_true",
+                    help="answer as the assistant of a chat (tokenizer/chat.py's template): --prompt / --image make "
+                         "one user turn, or give --conversation; stops at the answer's </s>; default --mode: "
+                         "interleaved with an image tokenizer, else text")
+    pr.add_argument("--conversation", metavar="FILE",
+                    help='a chat (implies --chat): .json {"messages": [{"role": "user", "content": ...}]} or a '
+                         ".jsonl whose first line is one; image paths relative to the file; every user turn with "
+                         "no assistant turn after it is answered, in order, each answer kept for the next")
     pr.add_argument("--num-samples", type=int, default=1, help="samples per prompt")
     pr.add_argument("--batch-size", type=int, default=8, help="prompts sampled together in one batch")
 
@@ -227,7 +235,8 @@ def run(args: argparse.Namespace, config_class: type[SamplingConfig] = SamplingC
     if args.num_samples < 1 or args.batch_size < 1:
         raise ValueError("--num-samples and --batch-size must be at least 1")
     config = sampling_config(args, config_class)  # checked before the model loads
-    prompts = read_prompts(args)
+    turns = read_conversation(args) if getattr(args, "chat", False) or getattr(args, "conversation", None) else None
+    prompts = read_prompts(args) if turns is None else [list(turn.parts) for turn in turns]
     check_prompt_images(prompts)
     prompts = [p for p in prompts for _ in range(args.num_samples)]
     dtype = getattr(torch, args.dtype)
@@ -249,6 +258,10 @@ def run(args: argparse.Namespace, config_class: type[SamplingConfig] = SamplingC
     if config.compile:  # otherwise the first batch is silent for the length of the compile
         print("generate: compiling the decode step (once per batch shape and settings; 9-26 s on 2 CPU cores)",
               flush=True)
+    if turns is not None:
+        if args.mode is None:  # a chat answers in what it can write back
+            config = replace(config, mode="interleaved" if image_tokenizer is not None else "text")
+        return run_chat(args, config, loaded, vocab, image_tokenizer, turns)
     samples, ids = [], []
     for k, start in enumerate(range(0, len(prompts), args.batch_size)):
         batch_config = replace(config, seed=config.seed + k)
@@ -260,6 +273,88 @@ def run(args: argparse.Namespace, config_class: type[SamplingConfig] = SamplingC
     if getattr(image_tokenizer, "video_grid", None) is not None:  # the clips' (t, h, w), as the sampler used it
         settings["video_grid"] = [int(n) for n in image_tokenizer.video_grid]
     return write_samples(args.out, samples, prompts=prompts, ids=ids, settings=settings, title="train.py generate")
+
+
+def read_conversation(args: argparse.Namespace) -> list[Any]:
+    """The turns `--chat` answers (`tokenizer.chat.Turn`s): --conversation FILE, or one user turn of --prompt /
+    --image; refuses a chat with nothing left to answer."""
+    from tokenizer.chat import Turn, load_conversation, pending_turns
+
+    segments = list(getattr(args, "segments", None) or [])
+    if args.prompts_file:
+        raise ValueError("--chat takes --prompt / --image (one user turn) or --conversation FILE, not --prompts-file")
+    if args.conversation:
+        if segments:
+            raise ValueError("--conversation FILE holds the whole chat: leave out --prompt and --image")
+        turns, where = load_conversation(args.conversation), f"--conversation {args.conversation}"
+    elif segments:
+        turns, where = [Turn("user", tuple(segments))], "--prompt"
+    else:
+        raise ValueError("--chat needs a user turn: --prompt TEXT (and --image PATH) or --conversation FILE")
+    if not pending_turns(turns):
+        raise ValueError(f"{where}: no user turn is left to answer (each has an assistant turn after it); end the "
+                         "chat with a user turn")
+    return turns
+
+
+def _message(turn: Any, entries: list[dict] | None = None) -> dict[str, Any]:
+    """A turn in the chat-messages convention; a generated answer from its samples.json entries (files by name)."""
+    content: list[dict[str, Any]] = []
+    if entries is None:
+        for part in turn.parts:
+            content.append({"type": "text", "text": part} if isinstance(part, str)
+                           else {"type": "image", "path": str(part)})
+        return {"role": turn.role, "content": content}
+    for entry in entries:
+        if "text" in entry:
+            content.append({"type": "text", "text": entry["text"]})
+        else:
+            content.append({"type": "video" if "clip" in entry else "image", "path": entry.get("clip") or entry["image"]})
+    return {"role": "assistant", "content": content}
+
+
+def run_chat(args: argparse.Namespace, config: SamplingConfig, loaded: Any, vocab: Any, image_tokenizer: Any,
+             turns: list[Any]) -> dict[str, Path]:
+    """`--chat`: each sample's model answers the pending user turns in order (tokenizer.chat.prompt_segments, so
+    any family reads the chat as a prompt), its answers kept in its context; writes one sample per answer and the
+    conversations in samples.json."""
+    from common.files import atomic_write_json
+    from tokenizer.chat import answer_turn, pending_turns, prompt_segments
+
+    contexts: list[list[Any]] = [[] for _ in range(args.num_samples)]
+    answers: list[list[tuple[int, list[Any], list[int]]]] = [[] for _ in contexts]  # (turn index, out, ids)
+    given = 0
+    for index in pending_turns(turns):
+        for context in contexts:
+            context += turns[given : index + 1]
+        given = index + 1
+        for k, start in enumerate(range(0, len(contexts), args.batch_size)):
+            batch = contexts[start : start + args.batch_size]
+            out, new_ids = loaded.family.generate(loaded.parts, vocab, image_tokenizer,
+                                                  [prompt_segments(vocab, c) for c in batch],
+                                                  replace(config, seed=config.seed + k))
+            for b, context in enumerate(batch):
+                answers[start + b].append((len(context), out[b], new_ids[b]))
+                context.append(answer_turn(vocab, new_ids[b], out[b]))
+    for context in contexts:
+        context += turns[given:]
+    order = [(s, a) for s in range(len(contexts)) for a in range(len(answers[s]))]
+    settings = asdict(config) | {"checkpoint": str(args.checkpoint), "chat": True,
+                                 "conversation": args.conversation}
+    paths = write_samples(args.out, [answers[s][a][1] for s, a in order],
+                          prompts=[list(contexts[s][answers[s][a][0] - 1].parts) for s, a in order],
+                          ids=[answers[s][a][2] for s, a in order], settings=settings,
+                          title="train.py generate --chat")
+    body = json.loads(paths["json"].read_text())
+    written = {pair: record for pair, record in zip(order, body["samples"])}
+    conversations = []
+    for s, context in enumerate(contexts):
+        made = {position: written[(s, a)]["output"] for a, (position, _, _) in enumerate(answers[s])}
+        conversations.append({"sample": s, "messages": [_message(turn, made.get(i)) for i, turn in enumerate(context)]})
+        for a, (position, _, _) in enumerate(answers[s]):
+            written[(s, a)] |= {"conversation": s, "message": position}
+    atomic_write_json(paths["json"], body | {"conversations": conversations})
+    return paths
 
 
 def _printable(text: str) -> str:

@@ -53,10 +53,13 @@ def load_prompt_image(item: Any) -> Image.Image:
 
 
 def encode_prompt(segments: list[Any], vocab: Any, image_tokenizer: Any) -> list[int]:
-    """`<s>` + the segments in order (text as BPE, images as `<boi>` codes `<eoi>`), without `</s>`."""
+    """`<s>` + the segments in order (text as BPE, images as `<boi>` codes `<eoi>`, `tokenizer.chat.Ids` as they
+    are: a chat's ends of turn and earlier answers), without `</s>`."""
+    from tokenizer.chat import encode_segments, is_ids
+
     parts: list[Any] = []
     for item in segments:
-        if isinstance(item, str):
+        if isinstance(item, str) or is_ids(item):
             parts.append(item)
         elif isinstance(item, (os.PathLike, bytes)) or hasattr(item, "convert"):
             if image_tokenizer is None:
@@ -68,7 +71,7 @@ def encode_prompt(segments: list[Any], vocab: Any, image_tokenizer: Any) -> list
                 f"prompt segment of type {type(item).__name__}: "
                 "use str (text), a PIL image, or a pathlib.Path"
             )
-    return list(vocab.encode_document(parts, bos=True, eos=False))
+    return encode_segments(vocab, parts)
 
 
 def split_segments(ids: list[int], vocab: Any, grid: tuple[int, int] | None,

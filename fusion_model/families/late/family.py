@@ -17,6 +17,7 @@ from fusion_model.families.base import Family, LossSettings, Objective, Objectiv
 from fusion_model.families.late.model import LateFusionConfig, LateFusionModel, late_layout, set_stage
 from fusion_model.layers.loss import fusion_loss_from_hidden, target_counts
 from fusion_model.model import FusionModel
+from tokenizer.chat import encode_segments, is_ids
 from tokenizer.layout import image_code_mask
 
 IDS_FROM_SHARDS = ("feature_dim", "image_token_id", "boi_id", "eoi_id")
@@ -136,7 +137,7 @@ class LateFusionFamily(Family):
         if config.cfg_scale != 1.0 or config.cfg_image_scale is not None:
             raise ValueError(f"classifier-free guidance needs image-code streams; a {self.name} checkpoint samples "
                              "without it: leave out --cfg-scale / --cfg-image-scale / --chameleon-defaults")
-        if image_tokenizer is None and any(not isinstance(s, str) for p in prompts for s in p):
+        if image_tokenizer is None and any(not (isinstance(s, str) or is_ids(s)) for p in prompts for s in p):
             raise ValueError(f"--image needs --image-tokenizer: the {self.name} connector reads its features")
         rows, features, masks = [], [], []
         for prompt in prompts:
@@ -159,13 +160,13 @@ class LateFusionFamily(Family):
         features (N, P, C) with their mask."""
         parts, per_image = [], []
         for segment in segments:
-            if isinstance(segment, str):
+            if isinstance(segment, str) or is_ids(segment):  # text, or a chat's verbatim ids
                 parts.append(segment)
                 continue
             codes, feats = image_tokenizer.encode_with_features([load_image(segment)])
             parts.append(codes[0])
             per_image.append(feats[0].float())
-        ids = torch.tensor([vocab.encode_document(parts, bos=True, eos=False)])
+        ids = torch.tensor([encode_segments(vocab, parts)])
         feature_dim = self.options.feature_dim
         per_position = torch.zeros(*ids.shape, feature_dim)
         if per_image:

@@ -35,6 +35,7 @@ from fusion_model.families.transfusion.diffusion import guided_noise
 from fusion_model.sampling.config import SamplingConfig
 from fusion_model.sampling.decode import generate_ids
 from fusion_model.sampling.spans import Chunk
+from tokenizer.chat import encode_segments, is_ids
 from tokenizer.layout import patchify, unpatchify
 from tokenizer.vocab import LatentImage
 
@@ -399,7 +400,7 @@ def encode_prompt(segments: list[Any], vocab: Any, image_tokenizer: Any, patch_s
     parts: list[Any] = []
     patches: list[torch.Tensor] = []
     for item in segments:
-        if isinstance(item, str):
+        if isinstance(item, str) or is_ids(item):  # text, or a chat's verbatim ids
             parts.append(item)
             continue
         if not (isinstance(item, (os.PathLike, bytes)) or hasattr(item, "convert")):
@@ -410,7 +411,7 @@ def encode_prompt(segments: list[Any], vocab: Any, image_tokenizer: Any, patch_s
         image = patchify(image_tokenizer.encode([load_prompt_image(item)]).float().cpu(), patch_size)[0]
         parts.append(LatentImage(image.shape[0]))
         patches.append(image)
-    ids = list(vocab.encode_document(parts, bos=True, eos=False))
+    ids = encode_segments(vocab, parts)
     latents = torch.zeros(len(ids), latent_dim)
     if patches:
         latents[torch.tensor(ids) == vocab.image_placeholder_id] = torch.cat(patches)
