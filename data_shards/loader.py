@@ -51,6 +51,11 @@ or late (shrinking job): `align_batch_progress` in the training layer does that.
         if kwargs.get("persistent_workers"):
             raise ValueError("persistent_workers would keep stale positions in the workers; leave it off")
         stream.share_errors = share_errors
+        # each iter() of a DataLoader draws its workers' base seed from `generator`, by default the global RNG: at
+        # an epoch boundary that draw fell between a checkpoint and the next step, so a run resumed from an epoch's
+        # last step continued dropout from another RNG state than the uninterrupted run. The stream needs no random
+        # worker seeds (its batches are a function of its position), so the draw goes to a generator of its own.
+        kwargs.setdefault("generator", torch.Generator().manual_seed(0))
         super().__init__(stream, batch_size=None, num_workers=num_workers, **kwargs)
         self._epoch, self._consumed, self._fresh = stream.epoch, 0, True
         self.window, self.count = max(int(window), 1), count

@@ -75,3 +75,13 @@ def test_checkpoint_holds_model_optimizer_scheduler_step_rng_and_loader_position
     loader = checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
     assert (loader["epoch"], loader["batches_consumed"]) == (0, 3)
     assert checkpoint["hyper_parameters"]["config"]["dim"] == fw.TINY["dim"]
+
+
+def test_resume_from_the_last_step_of_an_epoch_is_bit_exact_with_dropout(tmp_path):
+    """The kill comes after step 4 of a 4-batch epoch: between that checkpoint and the next step the uninterrupted run
+    starts a new pass of the loader, which must draw nothing from the RNG that dropout continues from."""
+    tokens = fw.make_token_dir(tmp_path / "tokens", n_docs=16)
+    from data_shards.packed_stream import PackedTokenStream
+
+    assert len(PackedTokenStream(tokens, 32, 4, rank=0, world_size=1)) == 4  # the premise: step 4 ends the epoch
+    resume_after_sigkill_matches_an_uninterrupted_run(tmp_path, tokens=tokens)
