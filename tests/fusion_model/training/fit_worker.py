@@ -52,6 +52,33 @@ def make_token_dir(path: Path, n_docs: int = 40, vocab_size: int = 256, seed: in
     return path
 
 
+def make_conversation_token_dir(path: Path, shards: int = 2, per_shard: int = 12, seed: int = 0) -> Path:
+    """Token shards in which two of every three documents are conversations (a prompt, then an answer of targets)
+    and the rest plain documents (every token a target), with the target masks `shards tokenize` stores."""
+    from data_shards.token_shards import CONVERSATION, TARGET, write_manifest, write_token_shard
+
+    rng = np.random.default_rng(seed)
+    path.mkdir(parents=True)
+    info = {"vocab_size": 256, "vocab_fingerprint": "vocab-test", "image_tokenizer_fingerprint": "image-test"}
+    metas = []
+    for shard in range(shards):
+        documents, targets = [], []
+        for index in range(per_shard):
+            length = int(rng.integers(4, 31))
+            documents.append(rng.integers(1, 256, length).tolist())
+            marks = np.full(length, TARGET, dtype=np.uint8)
+            if index % 3:
+                marks[:] = CONVERSATION
+                marks[int(rng.integers(1, length - 1)):] |= TARGET  # the answer: from somewhere inside to the end
+            targets.append(marks)
+        keys = [f"s{shard}-d{i}" for i in range(per_shard)]
+        conversations = sum(1 for index in range(per_shard) if index % 3)
+        metas.append(write_token_shard(path, f"shard-{shard:03d}", keys, documents,
+                                       {**info, "conversations": conversations}, targets=targets))
+    write_manifest(path, {**info, "pad_id": 0, "target_roles": ["assistant"]}, metas)
+    return path
+
+
 # The latent shards' id layout inside the tiny vocabulary: pad 0, <boi> 3, <eoi> 4, <image> 6 (as a unified
 # vocabulary numbers its specials); an image is 4 patches (a 2x2 latent grid, patch size 1) of 4 channels.
 LATENT = {"boi_id": 3, "eoi_id": 4, "image_placeholder_id": 6, "channels": 4, "grid": [2, 2]}

@@ -9,7 +9,6 @@ import dataclasses
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 import yaml
@@ -168,36 +167,10 @@ def test_the_sft_config_layers_the_papers_fine_tuning_recipe_over_a_pretraining_
     assert printed["data"]["seq_len"] == 256  # the rest is the pretraining config's
 
 
-def conversation_shards(path: Path) -> Path:
-    """Token shards in which two of every three documents are conversations (prompt, then an answer of targets) and
-    the rest plain documents (every token a target), as `shards tokenize --chat` writes them."""
-    from data_shards.token_shards import CONVERSATION, TARGET, write_manifest, write_token_shard
-
-    rng = np.random.default_rng(0)
-    path.mkdir(parents=True)
-    info = {"vocab_size": 256, "vocab_fingerprint": "vocab-test", "image_tokenizer_fingerprint": "image-test"}
-    metas = []
-    for shard in range(2):
-        documents, targets = [], []
-        for index in range(12):
-            length = int(rng.integers(4, 31))
-            documents.append(rng.integers(1, 256, length).tolist())
-            marks = np.full(length, TARGET, dtype=np.uint8)
-            if index % 3:
-                marks[:] = CONVERSATION
-                marks[int(rng.integers(1, length - 1)):] |= TARGET  # the answer: from somewhere inside to the end
-            targets.append(marks)
-        keys = [f"s{shard}-d{i}" for i in range(12)]
-        metas.append(write_token_shard(path, f"shard-{shard:03d}", keys, documents,
-                                       {**info, "conversations": 8}, targets=targets))
-    write_manifest(path, {**info, "pad_id": 0, "target_roles": ["assistant"]}, metas)
-    return path
-
-
 def test_answer_only_fit_accumulates_exactly_and_differs_from_training_on_every_token(tmp_path):
     from fusion_model.cli.fit import main
 
-    tokens = conversation_shards(tmp_path / "tokens")
+    tokens = fw.make_conversation_token_dir(tmp_path / "tokens")
     runs = {"one": (4, []), "accumulated": (2, ["--trainer.accumulate_grad_batches=2"]),
             "every_token": (4, ["--data.answer_only=false"])}
     weights = {}
