@@ -68,6 +68,36 @@ def make_user_data(root: Path) -> None:
     (root / "my_corpus.txt").write_text("\n".join(sentences * 10) + "\n")
 
 
+def make_user_chats(root: Path) -> None:
+    """Conversations about the drawn shapes in the chat-messages convention: a question about a picture (answered in
+    words), a request for a picture (answered with one), a question in words alone, and a two-turn chat."""
+    rng = random.Random(2)
+    pictures = sorted((root / "my_images").glob("*.png"))
+    lines = []
+    for index, picture in enumerate(pictures):
+        caption = (root / "my_images" / f"{picture.stem}.txt").read_text()
+        image = {"type": "image", "path": f"my_images/{picture.name}"}
+        kind = index % 4
+        if kind == 0:
+            messages = [{"role": "user", "content": [{"type": "text", "text": "What is in this picture?"}, image]},
+                        {"role": "assistant", "content": caption}]
+        elif kind == 1:
+            messages = [{"role": "user", "content": f"Draw {caption}."},
+                        {"role": "assistant", "content": [image]}]
+        elif kind == 2:
+            messages = [{"role": "system", "content": "You answer in one sentence."},
+                        {"role": "user", "content": f"Which colour is {caption}?"},
+                        {"role": "assistant", "content": f"It is {caption.split()[1]}."}]
+        else:
+            messages = [{"role": "user", "content": [image, {"type": "text", "text": "Describe it."}]},
+                        {"role": "assistant", "content": caption},
+                        {"role": "user", "content": "Draw it again."},
+                        {"role": "assistant", "content": [{"type": "text", "text": "Here it is:"}, image]}]
+        lines.append(json.dumps({"messages": messages}))
+    rng.shuffle(lines)
+    (root / "my_chats.jsonl").write_text("\n".join(lines) + "\n")
+
+
 MOVES = {"left": (-3, 0), "right": (3, 0), "up": (0, -3), "down": (0, 3)}
 
 
@@ -107,14 +137,16 @@ def make_user_clips(root: Path) -> None:
 
 def test_the_readme_commands_run_as_written_on_new_data(tmp_path):
     commands = readme_commands()
-    assert [step_of(c) for c in commands][:9] == ["tokenizer fit", "vocab", "shards write", "shards tokenize",
-                                                   "shards verify", "fit", "fit", "generate", "convert import"]
+    assert [step_of(c) for c in commands][:13] == ["tokenizer fit", "vocab", "shards write", "shards tokenize",
+                                                    "shards verify", "fit", "fit", "generate", "shards write",
+                                                    "shards tokenize", "fit", "generate", "convert import"]
     make_user_data(tmp_path)
+    make_user_chats(tmp_path)
     make_user_clips(tmp_path)
     (tmp_path / "configs").symlink_to(REPO / "configs")
     (tmp_path / "train.py").symlink_to(REPO / "train.py")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    outputs, late_fusion, caption, mixture, transfusion, diffused, video = {}, "", "", "", "", "", {}
+    outputs, late_fusion, caption, mixture, transfusion, diffused, video, chat = {}, "", "", "", "", "", {}, {}
     for index, command in enumerate(commands):
         step = step_of(command)
         if step in SKIPPED:
@@ -124,6 +156,8 @@ def test_the_readme_commands_run_as_written_on_new_data(tmp_path):
             argv += ["--threads", "1"]
         if step == "fit" and "runs/tokens-video" in command:
             argv += ["--data.seq_len", "160"]  # a row holds a whole clip: <bov>, 2x8x8 codes, <eov>
+        if step == "fit" and "runs/tokens-chat" in command:
+            argv += ["--data.seq_len", "256"]  # a row holds a whole conversation: never cut, dropped when longer
         log = tmp_path / f"{index:02d}-{step.replace(' ', '-')}.log"
         with log.open("w") as out:  # output to a file, as on a cluster
             result = subprocess.run(argv, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT, timeout=600)
@@ -142,6 +176,8 @@ def test_the_readme_commands_run_as_written_on_new_data(tmp_path):
             caption = text
         if "video" in command:
             video[step] = text
+        if "chat" in command:
+            chat[step] = text
 
     assert (tmp_path / "runs/tokenizer/tokenizer/config.json").is_file()
     assert "512 image codes" in outputs["vocab"]
@@ -166,6 +202,15 @@ def test_the_readme_commands_run_as_written_on_new_data(tmp_path):
     assert "done: step 3/3" in transfusion and (tmp_path / "runs/small-transfusion/checkpoints/last.ckpt").is_file()
     drawn = re.findall(r"<image: ([^>]+)>", diffused)
     assert drawn and all((tmp_path / path).is_file() for path in drawn), diffused[-2000:]
+    # post-training: conversations in, the answers' loss only, starting from the dense run, then a chat
+    assert "24 documents" in chat["shards write"] or "conversations" in chat["shards write"], chat["shards write"]
+    chats = json.loads((tmp_path / "runs/tokens-chat/manifest.json").read_text())
+    assert chats["conversations"] == 24 and chats["target_roles"] == ["assistant"], chats
+    assert list((tmp_path / "runs/tokens-chat").glob("*.targets.npy"))
+    assert "done: step 3/3" in chat["fit"] and (tmp_path / "runs/small-sft/checkpoints/last.ckpt").is_file()
+    answered = json.loads((tmp_path / "runs/chat/samples.json").read_text())
+    assert answered["conversations"][0]["messages"][0]["role"] == "user", answered
+    assert answered["conversations"][0]["messages"][-1]["role"] == "assistant", answered
     # video: the clips' tokenizer, a vocabulary with <bov>/<eov>, clip shards (the broken clip skipped and named),
     # the same fit, and a clip sampled from a caption, written as GIF, MP4 and a frame strip
     assert "video tokenizer bundle (2x8x8 codes per 8-frame clip)" in video["tokenizer fit"], video["tokenizer fit"]
