@@ -7,8 +7,9 @@ holds an image equal ours."""
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -17,14 +18,13 @@ transformers = pytest.importorskip("transformers", reason="transformers (dev ext
 from transformers import AutoProcessor, AutoTokenizer, ChameleonForConditionalGeneration  # noqa: E402
 
 from fusion_model import cli  # noqa: E402
-from fusion_model.checkpoint import save_model  # noqa: E402
 from fusion_model.config import FusionConfig  # noqa: E402
-from fusion_model.model import FusionModel  # noqa: E402
-from tokenizer.chat import Turn, encode_conversation, generation_prompt  # noqa: E402
-from tokenizer.image import ImageTokenizer, ImageTokenizerConfig  # noqa: E402
-from tokenizer.vocab import train_unified_vocab  # noqa: E402
 
-CORPUS = ["the cat sat on the mat", "a dog ran far away", "one two three four five six seven"] * 10
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import test_hf_export as hf_export  # noqa: E402  (its export_tiny; its tests stay collected in their own file)
+
+from tokenizer.chat import Turn, encode_conversation, generation_prompt  # noqa: E402
+
 NEW_TOKENS = 12
 USER = "the cat sat on"
 IMAGE_USER = ("a dog ", " ran far")  # text, image, text
@@ -32,24 +32,9 @@ IMAGE_USER = ("a dog ", " ran far")  # text, image, text
 
 @pytest.fixture(scope="module")
 def export(tmp_path_factory):
-    """A tiny vocabulary, a random decoder and a Chameleon-layout image tokenizer (4x4 codes of 16), exported by
-    `convert export --vocab --image-tokenizer`, and an 8 px photo."""
+    """test_hf_export's tiny exported decoder, vocabulary and Chameleon-layout image tokenizer; root/photo.png."""
     root = tmp_path_factory.mktemp("chat_export")
-    vocab = train_unified_vocab(CORPUS, vocab_size=320, image_codes=16, num_specials=16)
-    vocab.save(root / "tokenizer.json")
-    torch.manual_seed(0)
-    config = FusionConfig.from_preset("tiny", vocab_size=320, image_offset=vocab.image_offset, image_codes=16)
-    model = FusionModel(config).eval()
-    with torch.no_grad():  # a sharper random model: its greedy choices are far from ties
-        model.head.weight.mul_(20)
-    save_model(model, root / "model.ckpt")
-    vq = ImageTokenizerConfig(image_size=8, base_channels=32, channel_multiplier=(1, 2), num_res_blocks=1,
-                              latent_channels=32, norm_groups=32, codebook_size=16, quantizer="chameleon")
-    image_tokenizer = ImageTokenizer(vq).eval()
-    image_tokenizer.save_pretrained(root / "vq")
-    assert cli.main(["convert", "export", "--checkpoint", str(root / "model.ckpt"), "--out", str(root / "hf"),
-                     "--vocab", str(root / "tokenizer.json"), "--image-tokenizer", str(root / "vq")]) == 0
-    Image.fromarray(np.random.default_rng(0).integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(root / "photo.png")
+    vocab, model, image_tokenizer, _ = hf_export.export_tiny(root)
     return root, vocab, model, image_tokenizer
 
 
@@ -183,7 +168,7 @@ def test_a_released_chameleon_tokenizer_is_named_in_one_line_and_the_decoder_sti
     from tokenizer.token_names import image_token_name
 
     names = ["<s>", "<pad>", "</s>", "<unk>", *[image_token_name(k) for k in range(16)], "<eoss>", "<racm3:break>",
-             "<reserved08706>", "<image>", *CORPUS[0].split(), *CORPUS[1].split()]
+             "<reserved08706>", "<image>", *hf_export.CORPUS[0].split(), *hf_export.CORPUS[1].split()]
     names = list(dict.fromkeys(names))
     tokenizer = Tokenizer(models.WordLevel({name: i for i, name in enumerate(names)}, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

@@ -28,10 +28,9 @@ TEXT_PROMPT = "the cat sat on"
 IMAGE_PROMPT = ("a dog ", " ran far")  # text, <image>, text
 
 
-@pytest.fixture(scope="module")
-def export(tmp_path_factory):
-    """A tiny vocabulary, a random decoder and a Chameleon-layout image tokenizer (4x4 codes of 16), exported by the CLI."""
-    root = tmp_path_factory.mktemp("export")
+def export_tiny(root):
+    """A tiny vocabulary, a random decoder and a Chameleon-layout image tokenizer (4x4 codes of 16) in `root`,
+    exported by `convert export --vocab --image-tokenizer` to root/hf; an 8 px photo (saved as root/photo.png)."""
     vocab = train_unified_vocab(CORPUS, vocab_size=320, image_codes=16, num_specials=16)
     vocab.save(root / "tokenizer.json")
     torch.manual_seed(0)
@@ -48,7 +47,15 @@ def export(tmp_path_factory):
             "--vocab", str(root / "tokenizer.json"), "--image-tokenizer", str(root / "vq")]
     assert cli.main(argv) == 0
     photo = Image.fromarray(np.random.default_rng(0).integers(0, 256, (8, 8, 3), dtype=np.uint8))
-    return root, vocab, model, image_tokenizer, photo
+    photo.save(root / "photo.png")
+    return vocab, model, image_tokenizer, photo
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory):
+    """`export_tiny` in a module-wide folder."""
+    root = tmp_path_factory.mktemp("export")
+    return (root, *export_tiny(root))
 
 
 def ours_greedy(model, vocab, prompt: list[int]) -> list[int]:
