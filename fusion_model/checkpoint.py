@@ -34,6 +34,10 @@ def load_model_and_hparams(path: str | os.PathLike,
 
         return from_transformers(load_transformers_folder(path)).to(map_location), {}
     checkpoint = read_checkpoint(path, map_location)
+    if "adapter" in checkpoint:  # fusion_model.families.adapters.ADAPTER_KEY: LoRA weights without their base
+        raise ValueError(f"{path} is a LoRA adapter checkpoint (no base weights): merge it into its base first with "
+                         "`train.py convert export`, then `convert import` the folder, or load it with `train.py "
+                         "generate`")
     model = FusionModel(FusionConfig.from_dict(checkpoint["hyper_parameters"]["config"]))
     model.load_state_dict(part_weights(checkpoint["state_dict"], "model"))
     return model, dict(checkpoint["hyper_parameters"])

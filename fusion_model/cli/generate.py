@@ -140,6 +140,8 @@ def parser(config_class: type[SamplingConfig] = SamplingConfig) -> argparse.Argu
     io.add_argument("--checkpoint", required=True,
                     help="a Lightning checkpoint (.ckpt from `train.py fit` or `train.py convert import`) "
                          "or a transformers Chameleon directory (from `train.py convert export`)")
+    io.add_argument("--base", help="a LoRA checkpoint's base weights, when they moved from the path it recorded "
+                                   "(refused unless they are the weights it was trained on)")
     io.add_argument("--vocab", help="the unified tokenizer.json the model was trained with "
                                     "(default: tokenizer.json inside a transformers checkpoint directory)")
     io.add_argument("--media-tokenizer", "--image-tokenizer", dest="image_tokenizer", metavar="BUNDLE", help="image or video tokenizer bundle (save_pretrained / `train.py tokenizer "
@@ -240,7 +242,8 @@ def run(args: argparse.Namespace, config_class: type[SamplingConfig] = SamplingC
     check_prompt_images(prompts)
     prompts = [p for p in prompts for _ in range(args.num_samples)]
     dtype = getattr(torch, args.dtype)
-    loaded = load_family(args.checkpoint)  # any family's checkpoint; the family says how it samples
+    # any family's checkpoint (the family says how it samples); a LoRA adapter comes merged into its base
+    loaded = load_family(args.checkpoint, base=getattr(args, "base", None))
     for part in loaded.parts.values():
         part.to(device=args.device, dtype=dtype).eval()
     bundled_vocab = Path(args.checkpoint) / "tokenizer.json"  # a transformers directory carries its vocabulary

@@ -13,7 +13,7 @@ from torch import nn
 
 from fusion_model.checkpoint import load_model, part_weights, read_checkpoint
 from fusion_model.config import FusionConfig
-from fusion_model.families import DEFAULT_FAMILY, family_class, resolve_family
+from fusion_model.families import DEFAULT_FAMILY, adapters, family_class, resolve_family
 from fusion_model.families.base import Family, LossSettings
 
 
@@ -49,9 +49,12 @@ def checkpoint_family(path: str | os.PathLike) -> type[Family]:
     return family_class(name)
 
 
-def load_family(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> LoadedFamily:
+def load_family(path: str | os.PathLike, map_location: str | torch.device = "cpu",
+                base: str | os.PathLike | None = None) -> LoadedFamily:
     """Any family's checkpoint: a `train.py fit` checkpoint (its hparams name the family, or the older
-    `late_fusion`; none: chameleon), a `convert import` file, or a transformers Chameleon directory."""
+    `late_fusion`; none: chameleon), a `convert import` file, or a transformers Chameleon directory. A LoRA adapter
+    checkpoint (`--model.peft`) comes back merged into its base: read from `base`, else the recorded path, and
+    refused unless its fingerprint is the recorded one."""
     path = Path(path)
     if path.is_dir():
         model = load_model(path, map_location=map_location).eval()
@@ -64,7 +67,13 @@ def load_family(path: str | os.PathLike, map_location: str | torch.device = "cpu
     losses = LossSettings(text_weight=hparams.get("text_weight", 1.0), image_weight=hparams.get("image_weight", 1.0))
     family = family_class(name)(config, options, losses)
     parts = family.build()
+    record = checkpoint.get(adapters.ADAPTER_KEY)
     for part_name, part in parts.items():
+        if record is not None and part_name == "model":
+            options = adapters.LoraOptions.from_dict(hparams.get("peft") or {})
+            adapters.load_adapter(part, part_weights(checkpoint["state_dict"], part_name), record, options, base,
+                                  str(path)).to(map_location).eval()
+            continue
         try:
             part.load_state_dict(part_weights(checkpoint["state_dict"], part_name))
         except RuntimeError as error:

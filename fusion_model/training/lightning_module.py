@@ -18,12 +18,15 @@ from fusion_model.checkpoint import (
     upcycle_weights,
 )
 from fusion_model.config import FusionConfig, FusionConfigDict
-from fusion_model.families import DEFAULT_FAMILY, family_class, resolve_family
+from fusion_model.families import DEFAULT_FAMILY, adapters, family_class, resolve_family
 from fusion_model.families.base import LossSettings, Objective, ObjectiveContext
 from fusion_model.training.checkpointing import rng_state, set_rng_state
 from fusion_model.training.optim import OptimizerRecipe, build_scheduler
+from tokenizer.layout import image_code_mask
 
 NONFINITE_POLICIES = ("stop", "skip")
+# what `--model.train_only` may train with everything else frozen: the output head's rows of the image codes (Anole)
+TRAIN_ONLY = ("image_head_rows",)
 
 
 class NonFiniteLossError(RuntimeError):
@@ -78,6 +81,8 @@ class FusionLightningModule(L.LightningModule):
         family_options: dict | None = None,
         init_weights: str | None = None,
         tokenizers: dict[str, str] | None = None,
+        peft: dict | None = None,
+        train_only: str | None = None,
         # the optimizer recipe (OptimizerRecipe)
         lr: float = 1e-4,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -126,6 +131,11 @@ class FusionLightningModule(L.LightningModule):
         sample and step (fusion_model.families.base.ObjectiveContext), never from a rank's generator.
         tokenizers: fingerprints of the vocabulary and image tokenizer the shards were made with ({"vocab": ...,
         "image_tokenizer": ...}; `train.py fit` takes them from the manifest): `generate` refuses others.
+        peft: LoRA on the decoder's projections, {rank, alpha, dropout, targets: attention | mlp | all}
+        (fusion_model.families.adapters.LoraOptions); the base (`init_weights`) is frozen and checkpoints hold the
+        adapter and the base's path and fingerprint, not the base.
+        train_only: "image_head_rows" trains only the output head's rows of the image codes (Anole's recipe); every
+        other weight, the text rows included, stays bit-identical.
         """
         super().__init__()
         if config is None and init_weights:
@@ -155,6 +165,21 @@ class FusionLightningModule(L.LightningModule):
         for name, part in self.parts.items():
             self.add_module(name, part)
         self._init_weights = init_weights
+        self.lora = adapters.LoraOptions.from_dict(peft) if peft is not None else None
+        if train_only not in (None, *TRAIN_ONLY):
+            raise ValueError(f"--model.train_only={train_only!r} is invalid: choose one of {list(TRAIN_ONLY)} or null")
+        if self.lora is not None and train_only is not None:
+            raise ValueError("--model.peft and --model.train_only each choose what trains: give one of them")
+        if train_only is not None and config.image_offset is None:
+            raise ValueError("--model.train_only image_head_rows needs the vocabulary's image block (image_offset, "
+                             "image_codes) in model.config")
+        if self.lora is not None and set(self.parts) != {"model"}:
+            raise ValueError(f"--model.peft adapts the decoder alone, but the {family} family also trains "
+                             f"{sorted(set(self.parts) - {'model'})}, which an adapter checkpoint would not hold: "
+                             f"train it without --model.peft")
+        self.hparams["peft"] = self.lora.to_dict() if self.lora is not None else None
+        self._adapter_record: dict[str, str] | None = None  # the base an adapter was trained on (path, fingerprint)
+        self._narrowed = False
         self.skipped_steps = 0
         self.decoder_positions = 0  # positions the decoder ran on in this process (late fusion changes the count)
         self._bad_in_window = False
@@ -177,8 +202,14 @@ class FusionLightningModule(L.LightningModule):
     def setup(self, stage: str) -> None:
         """Load `init_weights` and what the family starts from into a new run (a resumed run restores its own
         checkpoint instead)."""
-        if stage != "fit" or self.trainer.ckpt_path is not None:
+        if stage != "fit":
             return
+        if self.trainer.ckpt_path is None:
+            self._start_new_run()
+        self._narrow_training(resuming=self.trainer.ckpt_path is not None)
+
+    def _start_new_run(self) -> None:
+        """What a new run starts from: the family's start, then `init_weights`."""
         self.family.start_new_run(self.parts)
         if not self._init_weights:
             return
@@ -207,6 +238,36 @@ class FusionLightningModule(L.LightningModule):
                 f"convert import`) or one of the {run} family, or train --model.family {source}"
             )
 
+    def _narrow_training(self, resuming: bool) -> None:
+        """Freeze what `peft` / `train_only` do not train, after the base weights are in and before compile and
+        parallelisation: LoRA wraps the decoder's projections (B = 0: the start is the base); `image_head_rows`
+        leaves only the head trainable and zeroes the gradient of its text rows."""
+        if self._narrowed or (self.lora is None and self.hparams.train_only is None):
+            return
+        self._narrowed = True
+        model = self.parts["model"]
+        if self.lora is not None:
+            if not resuming:
+                if not self._init_weights:
+                    raise ValueError("--model.peft trains an adapter on a base: give the base's weights with "
+                                     "--model.init_weights PATH")
+                # the weights as loaded (after upcycling): what generate and a resume find again at this path
+                self._adapter_record = adapters.adapter_record(self._init_weights, model.state_dict())
+            for param in self.parameters():
+                param.requires_grad_(False)
+            # on resume the base (and the adapter) come in on_load_checkpoint
+            adapters.inject_lora(model, self.lora, seed=self.hparams.objective_seed)
+            return
+        for param in self.parameters():
+            param.requires_grad_(False)
+        head = model.head.weight
+        head.requires_grad_(True)
+        rows = torch.arange(head.shape[0])
+        text_rows = ~image_code_mask(rows, model.config.image_offset, model.config.image_codes)
+        # zero before accumulation, clipping and the optimizer: Adam's moments of the text rows stay 0, so their
+        # update is exactly 0 (and configure_optimizers gives the head no weight decay)
+        head.register_hook(lambda grad: grad.masked_fill(text_rows.to(grad.device)[:, None], 0.0))
+
     @property
     def trained_in_this_process(self) -> bool:
         """Whether an optimizer step ran in this process (before one, a failed start wrote nothing worth keeping)."""
@@ -217,6 +278,9 @@ class FusionLightningModule(L.LightningModule):
         if self._sharded:
             return
         self._sharded = True
+        if getattr(self, "_device_mesh", None) is not None and (self.lora is not None or self.hparams.train_only):
+            raise ValueError("--model.peft and --model.train_only do not run under ModelParallelStrategy (FSDP2): "
+                             "train them with the ddp strategy (the frozen base needs no sharded optimizer state)")
         if self.hparams.compile:
             self.family.compile(self.parts)  # in place: parameter names (and so checkpoints) do not change
         mesh = getattr(self, "_device_mesh", None)
@@ -357,13 +421,20 @@ class FusionLightningModule(L.LightningModule):
         (Lightning issue 20550), which would break exact resume.
         """
         # the module, not only the decoder: a late-fusion connector trains too (frozen parameters are left out)
-        optimizer = self.recipe.optimizer(self)
+        # image_head_rows: no weight decay may reach the head's frozen text rows
+        undecayed = [self.parts["model"].head.weight] if self.hparams.train_only else []
+        optimizer = self.recipe.optimizer(self, undecayed)
         schedule = self.recipe.schedule(self.trainer.max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": build_scheduler(optimizer, schedule), "interval": "step"}}
 
     def on_train_start(self) -> None:
-        """After a resume under another world size: continue the epoch's batch count where the loader is."""
+        """Say how many parameters train; after a resume under another world size, continue the epoch's batch count
+        where the loader is."""
         self._step_at_start = self.trainer.global_step  # restored by now
+        trainable, total = adapters.count_parameters(self)
+        if self.hparams.train_only:  # the head is trainable as one matrix, but only its image-code rows move
+            trainable = self.model_config.image_codes * self.parts["model"].head.weight.shape[1]
+        rank_zero_info(f"trainable parameters: {trainable:,} of {total:,} ({100 * trainable / max(total, 1):.3g}%)")
         shift = align_batch_progress(self.trainer)
         if shift:
             progress = self.trainer.fit_loop.epoch_loop.batch_progress.current
@@ -381,11 +452,34 @@ class FusionLightningModule(L.LightningModule):
             state = {k: v.unsqueeze(0) for k, v in state.items()}
         checkpoint["rng_states"] = state
         checkpoint["skipped_steps"] = self.skipped_steps
+        if self.lora is not None:
+            # an adapter checkpoint: the LoRA weights and where its base is, never the base itself
+            trained = {name for name, p in self.named_parameters() if p.requires_grad}
+            checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in trained}
+            checkpoint[adapters.ADAPTER_KEY] = dict(self._adapter_record or {})
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Pick this rank's RNG state (applied at the first batch, after loaders have drawn their seeds)."""
+        """Pick this rank's RNG state (applied at the first batch, after loaders have drawn their seeds); put an
+        adapter checkpoint's base back under its adapter."""
+        self._restore_base(checkpoint)
         self.skipped_steps = int(checkpoint.get("skipped_steps", 0))
         states = checkpoint.get("rng_states")
         if states is not None:
             rank = self.global_rank if states["torch"].shape[0] > self.global_rank else 0
             self._rng_to_restore = {k: v[rank] for k, v in states.items()}
+
+    def _restore_base(self, checkpoint: dict[str, Any]) -> None:
+        """An adapter checkpoint holds no base: read it from `--model.init_weights` given again or the recorded
+        path, check its fingerprint, and add its weights to the state Lightning loads next."""
+        record = checkpoint.get(adapters.ADAPTER_KEY)
+        if record is None:
+            return
+        if self.lora is None:
+            stored = checkpoint.get("hyper_parameters", {}).get("peft")
+            raise ValueError(f"this checkpoint holds a LoRA adapter: resume it with the same --model.peft '{stored}'")
+        model = self.parts["model"]
+        where = str(self.trainer.ckpt_path) if self._trainer is not None else "the checkpoint"
+        weights = adapters.checked_base(record, model, self._init_weights, where)
+        for name, value in adapters.wrapped_names(model, weights).items():
+            checkpoint["state_dict"].setdefault(f"model.{name}", value)
+        self._adapter_record = dict(record)

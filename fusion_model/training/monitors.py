@@ -34,7 +34,8 @@ COUNT = "targets"  # per-modality target counts: combine means over ranks, never
 
 # the group of each role (`fusion_model.layers.roles`): QK-norm's weights are norms, though they live inside attention
 GROUP_OF_ROLE = {roles.EMBEDDING: "embeddings", roles.ATTENTION: "attention", roles.ATTENTION_OUTPUT: "attention",
-                 roles.MLP: "mlp", roles.MLP_OUTPUT: "mlp", roles.NORM: "norms", roles.OUTPUT_HEAD: "output_head"}
+                 roles.MLP: "mlp", roles.MLP_OUTPUT: "mlp", roles.NORM: "norms", roles.OUTPUT_HEAD: "output_head",
+                 roles.ADAPTER: "adapter"}  # LoRA's A and B (--model.peft): a group of their own, beside "other"
 
 
 def parameter_groups(model: torch.nn.Module) -> dict[str, str]:
@@ -94,7 +95,8 @@ class StabilityMonitor(L.Callback):
     - `block_rms/layer_NN`: RMS of the residual stream after each block (non-padding tokens);
     - `text/logit_mean`, `text/log_z_mean`, `image/...`: mean output logit and mean log Z (logsumexp) at text and
       image target positions; `z_loss` (as the loss adds it) and `log_z_sq_mean` (unweighted, also without z-loss);
-    - `grad_norm/<group>`: gradient norm per parameter group (`PARAMETER_GROUPS`) before clipping, as the module's
+    - `grad_norm/<group>`: gradient norm per parameter group (`PARAMETER_GROUPS`; `adapter` for LoRA's weights and
+      `other` when present; frozen parameters have none) before clipping, as the module's
       `train/grad_norm` counts it;
     - `update_ratio/<group>`: ||w_after - w_before|| / ||w_before|| of the optimizer step.
 
@@ -148,7 +150,7 @@ class StabilityMonitor(L.Callback):
         """Gradient norms per group (before clipping) and a copy of the weights for the update ratio."""
         if not self._due(trainer.global_step) or self._measured_step != trainer.global_step:
             return
-        named = list(pl_module.model.named_parameters())
+        named = self._trained(pl_module)
         self._groups = parameter_groups(pl_module.model)
         self._raw_grad_sq, self._sharded = self._group_sums(
             ((name, p.grad.detach()) for name, p in named if p.grad is not None), self._groups
@@ -281,11 +283,11 @@ class StabilityMonitor(L.Callback):
 
     def _gradient_statistics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, torch.Tensor]:
         """Gradient norm and update ratio per group, reduced over shards when FSDP2 holds them."""
-        groups = [g for g in (*PARAMETER_GROUPS, "other") if g in self._raw_grad_sq]
+        groups = [g for g in (*PARAMETER_GROUPS, "adapter", "other") if g in self._raw_grad_sq]
         if not groups:
             return {}
         grad_sq = torch.stack([self._raw_grad_sq[g] for g in groups])
-        named = list(pl_module.model.named_parameters())
+        named = self._trained(pl_module)
         rows = [grad_sq]
         if self._before is not None:
             weight_sq, _ = self._group_sums(((name, old) for (name, _), old in zip(named, self._before)), self._groups)
@@ -310,6 +312,11 @@ class StabilityMonitor(L.Callback):
             ratios = stacked[2].sqrt() / stacked[1].sqrt().clamp_min(1e-30)
             found.update({f"{PREFIX}/update_ratio/{g}": ratios[i] for i, g in enumerate(groups)})
         return found
+
+    @staticmethod
+    def _trained(pl_module: L.LightningModule) -> list[tuple[str, torch.Tensor]]:
+        """The decoder's trained parameters by name (a frozen base under LoRA or head-only training is not copied)."""
+        return [(name, p) for name, p in pl_module.model.named_parameters() if p.requires_grad]
 
     @staticmethod
     def _gather(trainer: L.Trainer, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -11,15 +12,17 @@ from torch import nn
 from fusion_model.layers.roles import NORM, parameter_roles
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Split parameters into a decayed group (matrices: >= 2 dims) and a non-decayed one (norm weights, biases)."""
+def param_groups(model: nn.Module, weight_decay: float, undecayed: Collection[nn.Parameter] = ()) -> list[dict]:
+    """Split parameters into a decayed group (matrices: >= 2 dims) and a non-decayed one (norm weights, biases, and
+    `undecayed`: a matrix of which only some rows train, whose other rows decay must not reach)."""
     decay, no_decay = [], []
+    kept = {id(p) for p in undecayed}
     for _, param, role in parameter_roles(model):
         if not param.requires_grad:
             continue
         # Embeddings and projections are matrices; norm gains and biases are not. QK-norm's per-head
         # weight is (n_heads, head_dim) — a 2-D gain, not a projection — so a norm's role excludes it too.
-        (decay if param.ndim >= 2 and role != NORM else no_decay).append(param)
+        (decay if param.ndim >= 2 and role != NORM and id(param) not in kept else no_decay).append(param)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -33,9 +36,10 @@ def build_adamw(
     eps: float = 1e-5,
     weight_decay: float = 0.1,
     fused: bool | None = None,
+    undecayed: Collection[nn.Parameter] = (),
 ) -> torch.optim.AdamW:
     """AdamW over `param_groups`; fused kernels where the parameters live on CUDA (unless told otherwise)."""
-    groups = param_groups(model, weight_decay)
+    groups = param_groups(model, weight_decay, undecayed)
     if fused is None:
         fused = all(p.is_cuda for g in groups for p in g["params"]) and torch.cuda.is_available()
     return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, fused=fused or None)
@@ -115,9 +119,10 @@ class OptimizerRecipe:
             if not ok:
                 raise ValueError(f"--model.{name}={getattr(self, name)!r} is invalid: it must be {rule}")
 
-    def optimizer(self, module: nn.Module) -> torch.optim.AdamW:
-        """AdamW over the module's trainable parameters (frozen ones are left out)."""
-        return build_adamw(module, lr=self.lr, betas=tuple(self.betas), eps=self.eps, weight_decay=self.weight_decay)
+    def optimizer(self, module: nn.Module, undecayed: Collection[nn.Parameter] = ()) -> torch.optim.AdamW:
+        """AdamW over the module's trainable parameters (frozen ones are left out; `undecayed` get no decay)."""
+        return build_adamw(module, lr=self.lr, betas=tuple(self.betas), eps=self.eps, weight_decay=self.weight_decay,
+                           undecayed=undecayed)
 
     def schedule(self, max_steps: int | None) -> WarmupDecay:
         """The lr multiplier over `decay_steps`, or over `max_steps` when the recipe sets no horizon."""
