@@ -37,7 +37,9 @@ TIME_LIMITS_S["scale"] = 3600.0  # first run builds a 320M-token dataset (~5 min
 SECTIONS = {"scale": ("Data at scale: one rank's start-up and memory (issue #33, `bench/bench_scale.py`)",
                       "bench.bench_scale"),
             "mot": ("Mixture-of-Transformers against dense at equal active parameters (issue #31, "
-                    "`bench/bench_mot.py`)", "bench.bench_mot")}
+                    "`bench/bench_mot.py`)", "bench.bench_mot"),
+            "memory": ("Memory plan against measured peaks (`train.py plan`, `bench/bench_memory.py`)",
+                       "bench.bench_memory")}
 
 
 def discover() -> list[str]:

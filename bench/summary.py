@@ -60,6 +60,10 @@ HEADLINES: dict[str, Headline] = {
         (Part("encode_vs_transformers", "vs transformers ChameleonVQVAE, encode, same weights"),)),
     "limits": Headline(note="no ratio: this machine's matmul peak and copy bandwidth, the denominators of the MFU "
                             "and bandwidth-bound figures"),
+    "memory": Headline(
+        (Part("worst_ratio_off", "largest |plan ÷ measured peak − 1| of `train.py plan` over the configurations",
+              unit="%"),),
+        goal_format="≤ {:.0%}", goal_constant=("bench.bench_memory", "GOAL")),
     "mot": Headline(
         (Part("train_half_image.mot_time_over_dense", "MoT / dense training-step time at equal active parameters, "
                                                       "half image codes"),

@@ -31,6 +31,7 @@ from fusion_model.cli.lightning_options import (
     time_limit_seconds,
     use_plain_progress_when_logging_to_a_file,
 )
+from fusion_model.cli.memory_check import PLAN_HELP, add_plan_arguments, check_before_fit, take_device_memory
 from fusion_model.families import BUILTIN_FAMILIES
 from fusion_model.training.checkpointing import broken_checkpoint_message
 from fusion_model.training.lightning_module import FusionLightningModule, NonFiniteLossError
@@ -47,6 +48,7 @@ class FusionCLI(LightningCLI):
             "trainer.use_distributed_sampler": False,
             "trainer.default_root_dir": DEFAULT_ROOT,
         })
+        add_plan_arguments(parser)  # --plan.device_memory, --plan.force: the memory check before the model is built
 
     def _parse_ckpt_path(self) -> None:
         """Lightning's read of the hparams in --ckpt_path, with a broken file turned into one line naming a good one,
@@ -60,12 +62,16 @@ class FusionCLI(LightningCLI):
         asked = self.config[subcommand].model.get("config") if subcommand else None
         asked = dict(asked) if isinstance(asked, dict) else None  # Lightning replaces it with the checkpoint's
         given = model_options(self.config[subcommand].model) if ckpt_path else {}
+        base = self.config[subcommand].model.get("init_weights") if ckpt_path else None
         try:
             super()._parse_ckpt_path()
         except Exception as err:  # noqa: BLE001 - torch/zip/unpickling errors alike: re-raised naming the file
             if not ckpt_path:
                 raise
             raise ValueError(broken_checkpoint_message(Path(ckpt_path), err)) from err
+        if base and self.config[subcommand].model.get("peft"):
+            # a LoRA checkpoint holds no base: --model.init_weights given again finds a moved one (fingerprint checked)
+            self.config[subcommand].model.init_weights = base
         if ckpt_path and asked is not None:
             refuse_another_architecture(ckpt_path, asked, self.config[subcommand].model.get("config"))
         if ckpt_path and Path(ckpt_path).is_file():
@@ -161,6 +167,8 @@ class FusionCLI(LightningCLI):
         fit_schedule_to_time_budget(config)
         place_outputs_under_root(config, DEFAULT_ROOT)
         use_plain_progress_when_logging_to_a_file(config)
+        if not getattr(self, "planning", False):  # before any weight exists: a run that cannot fit never starts
+            check_before_fit(config)
 
 
 LAYOUT = ("vocab_size", "image_offset", "image_codes")
@@ -356,7 +364,7 @@ def fit_from_config(config: str | Path | None = None, overrides: list[str] | Non
             run=run,
             save_config_kwargs={"overwrite": True},
             seed_everything_default=0,
-            parser_kwargs={"fit": {"epilog": shared_flags_epilog(FIT_SHARED_FLAGS) + "\n\n" + FIT_HELP}},
+            parser_kwargs={"fit": {"epilog": shared_flags_epilog(FIT_SHARED_FLAGS) + "\n\n" + FIT_HELP + " " + PLAN_HELP}},
         )
 
 
@@ -364,6 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `train.py fit`; bad input raises ValueError, which `train.py` turns into exit code 2."""
     argv = list(sys.argv[1:] if argv is None else argv)
     argv = take_runtime_options(argv, "fit")
+    argv = take_device_memory(argv)
     try:
         fit_from_config(None, translate_shared_flags(argv, FIT_SHARED_FLAGS))
     except NonFiniteLossError as err:  # the run failed after it started: exit 1 (bad input exits 2 in train.py)

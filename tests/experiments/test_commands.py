@@ -13,8 +13,8 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_table_is_the_cli_layers_followed_by_demo_and_experiment():
-    assert list(commands.SUBCOMMANDS) == ["vocab", "tokenizer", "shards", "fit", "generate", "convert", "demo",
-                                          "experiment"]
+    assert list(commands.SUBCOMMANDS) == ["vocab", "tokenizer", "shards", "fit", "plan", "generate", "convert",
+                                          "demo", "experiment"]
     assert {name: commands.SUBCOMMANDS[name] for name in cli.SUBCOMMANDS} == cli.SUBCOMMANDS
     assert all(module.startswith("fusion_model.cli.") for module, _ in cli.SUBCOMMANDS.values())
 
