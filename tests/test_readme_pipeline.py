@@ -137,9 +137,10 @@ def make_user_clips(root: Path) -> None:
 
 def test_the_readme_commands_run_as_written_on_new_data(tmp_path):
     commands = readme_commands()
-    assert [step_of(c) for c in commands][:13] == ["tokenizer fit", "vocab", "shards write", "shards tokenize",
+    assert [step_of(c) for c in commands][:15] == ["tokenizer fit", "vocab", "shards write", "shards tokenize",
                                                     "shards verify", "fit", "fit", "generate", "shards write",
-                                                    "shards tokenize", "fit", "generate", "convert import"]
+                                                    "shards tokenize", "fit", "generate", "plan", "fit",
+                                                    "convert import"]
     make_user_data(tmp_path)
     make_user_chats(tmp_path)
     make_user_clips(tmp_path)
@@ -176,7 +177,9 @@ def test_the_readme_commands_run_as_written_on_new_data(tmp_path):
             caption = text
         if "video" in command:
             video[step] = text
-        if "chat" in command:
+        if "runs/small-lora" in command:
+            chat["lora"] = text
+        elif "chat" in command:
             chat[step] = text
 
     assert (tmp_path / "runs/tokenizer/tokenizer/config.json").is_file()
@@ -208,6 +211,11 @@ def test_the_readme_commands_run_as_written_on_new_data(tmp_path):
     assert chats["conversations"] == 24 and chats["target_roles"] == ["assistant"], chats
     assert list((tmp_path / "runs/tokens-chat").glob("*.targets.npy"))
     assert "done: step 3/3" in chat["fit"] and (tmp_path / "runs/small-sft/checkpoints/last.ckpt").is_file()
+    assert "memory plan per device" in outputs["plan"] and "fits (" in outputs["plan"], outputs["plan"]
+    assert "LoRA adapters" in outputs["plan"], outputs["plan"]
+    lora = tmp_path / "runs/small-lora/checkpoints/last.ckpt"
+    assert "done: step 3/3" in chat["lora"] and "trainable parameters" in chat["lora"] and lora.is_file()
+    assert lora.stat().st_size < (tmp_path / "runs/small-sft/checkpoints/last.ckpt").stat().st_size / 4  # no base
     answered = json.loads((tmp_path / "runs/chat/samples.json").read_text())
     assert answered["conversations"][0]["messages"][0]["role"] == "user", answered
     assert answered["conversations"][0]["messages"][-1]["role"] == "assistant", answered
