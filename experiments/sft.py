@@ -1,0 +1,640 @@
+"""`python train.py experiment sft`: supervised fine-tuning of the demo's pretrained decoder on chat conversations.
+
+Chameleon's recipe (arXiv 2405.09818, section 3.2) fine-tunes the pretrained model on conversations with the loss on
+the answers only and balanced categories. Here, from the demo's pretrained decoder, vocabulary and VQ tokenizer,
+four arms answer the same held-out conversations (`experiments/sft_data.py`: visual chat, image generation,
+interleaved "draw the next digit", text-only):
+- `pretrained`: the demo's decoder prompted in the chat template without fine-tuning;
+- `answer_only`: SFT with the loss on the assistant's turns only (Chameleon's);
+- `all_tokens`: the same data and steps with the loss on every token (`--data.answer_only false`);
+- `unbalanced`: answer-only SFT on as many conversations in an unbalanced mix (90% text answers).
+Every SFT arm trains for the same optimizer steps from the same seed; the first two read the same token shards, so
+they see the same batches in the same order. Everything runs through the commands users run: `train.py shards
+write --chat`, `shards tokenize --train-roles assistant`, `train.py fit --config configs/fusion/demo.yaml --config
+configs/fusion/post/sft.yaml --model.init_weights ...`, and the sampler `generate` uses (`generate_ids` on
+`tokenizer.chat.generation_prompt` ids). Answers are scored per category (images by the demo's independent digit
+classifier, text by exact match of the digit's name), with the rate of answers of the wrong modality and the held-out
+pretraining loss before and after (forgetting). Writes `<out>/results.json`, `<out>/results.md` and
+`<out>/samples.html`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import shutil
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import torch
+
+from common.files import atomic_write_json, atomic_write_text
+from experiments import sft_data
+from experiments.demo.datasets import (
+    DIGIT_WORDS,
+    arithmetic_document,
+    arithmetic_pairs,
+    caption_document,
+    parse_digit,
+    pick_by_label,
+    to_model_images,
+)
+from experiments.demo.settings import FIT_CONFIG, REPO_ROOT, DemoConfig, load_config
+from experiments.demo.stages import (
+    digits_for,
+    load_image_tokenizer,
+    load_vocab,
+    require_outputs,
+    run_experiment_command,
+)
+
+SFT_CONFIG = REPO_ROOT / "configs" / "fusion" / "post" / "sft.yaml"
+# arm -> (training conversations, loss on the answers only); None: no fine-tuning (the pretrained decoder)
+ARMS: dict[str, tuple[str, bool] | None] = {
+    "pretrained": None,
+    "answer_only": ("train", True),
+    "all_tokens": ("train", False),
+    "unbalanced": ("train_unbalanced", True),
+}
+TEXT_ANSWERS = tuple(c for c in sft_data.CATEGORIES if not sft_data.ASKS_FOR_IMAGE[c])
+IMAGE_ANSWERS = tuple(c for c in sft_data.CATEGORIES if sft_data.ASKS_FOR_IMAGE[c])
+MAX_TEXT_TOKENS = 24  # room for an answer's text (the longest right one, "That is a seven.", is 6 tokens in the demo)
+
+
+@dataclass
+class SFTExperimentConfig:
+    """The experiment's settings; defaults are the full run (10-12 minutes on a shared 2-core host after the demo)."""
+
+    demo: str = "full"  # the demo preset whose finished outputs are reused
+    demo_dir: str | None = None  # default: that preset's out_dir
+    out_dir: str = "runs/sft"
+    steps: int = 500  # optimizer steps of every SFT arm (the demo's batches: 8 rows x 256 tokens)
+    train_conversations: int = 6000  # per training set (balanced and unbalanced alike)
+    held_out_per_category: int = 100  # held-out conversations of each category
+    # configs/fusion/post/sft.yaml's lr is Chameleon's 1e-5, for 7B/34B models; the demo's 1.1M-parameter decoder
+    # pretrained at 2e-3 decaying to 2e-4, so SFT starts near where pretraining ended (docs/results/sft.md: 1e-5)
+    lr: float = 3e-4
+    warmup_steps: int = 20
+    held_out_documents: int = 200  # captioned held-out digits (+ a quarter as many arithmetic documents): forgetting
+    samples_shown: int = 4  # conversations per category on the sample page
+    seed: int = 0
+    reuse: bool = False  # keep an arm whose record exists with the same options (resume an interrupted run)
+    extra_fit: list[str] = field(default_factory=list)  # more `train.py fit` options for every SFT arm
+
+
+def smoke_config(demo_dir: str | None = None, out_dir: str = "runs/sft-smoke") -> SFTExperimentConfig:
+    """The smoke mode: the smoke demo's outputs, a few steps and conversations (about a minute)."""
+    return SFTExperimentConfig(demo="smoke", demo_dir=demo_dir, out_dir=out_dir, steps=6, train_conversations=200,
+                               held_out_per_category=6, held_out_documents=20, samples_shown=2,
+                               extra_fit=["--data.batch_size=4", "--trainer.log_every_n_steps=1"])
+
+
+# ---------------------------------------------------------------- data
+
+
+class SplitPictures(Mapping):
+    """The digits of one split as 64-px uint8 RGB pictures (the demo's shards' PNGs), made on demand by index."""
+
+    def __init__(self, digits: np.ndarray, size: int) -> None:
+        self.digits, self.size = digits, size
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        from experiments.demo.report import to_uint8
+
+        return to_uint8(to_model_images(self.digits[index : index + 1], self.size))[0]
+
+    def __len__(self) -> int:
+        return len(self.digits)
+
+    def __iter__(self):
+        return iter(range(len(self.digits)))
+
+
+def run_cli(argv: list[str]) -> None:
+    """One `train.py ...` command in this process (the whole command table); a non-zero exit raises."""
+    from experiments.commands import main
+
+    code = main(argv)
+    if code:
+        raise RuntimeError(f"`python train.py {' '.join(argv)}` exited with {code}")
+
+
+def chat_shards(jsonl: Path, folder: Path, demo_dir: Path) -> Path:
+    """`train.py shards write --chat` then `shards tokenize --train-roles assistant`; returns the token shards."""
+    for sub in ("raw", "tokens"):
+        if (folder / sub).exists():
+            shutil.rmtree(folder / sub)  # cheap and deterministic: always remade
+    run_cli(["shards", "write", "--out", str(folder / "raw"), "--chat", str(jsonl)])
+    run_cli(["shards", "tokenize", str(folder / "raw"), "--out", str(folder / "tokens"),
+             "--vocab", str(demo_dir / "vocab" / "tokenizer.json"),
+             "--image-tokenizer", str(demo_dir / "tokenizer" / "model"), "--train-roles", "assistant",
+             "--workers", "1", "--no-progress"])
+    return folder / "tokens"
+
+
+def pretraining_documents(demo: DemoConfig, tokenizer, vocab, count: int, seed: int) -> list[list[int]]:
+    """Held-out pretraining documents as ids, made as the demo makes its own but from its held-out digits: captioned
+    digits (caption first or image first, alternately, as the demo's 0.5 flip does) and arithmetic documents."""
+    digits = digits_for(demo)
+    labels = digits.test_labels
+    with torch.no_grad():
+        codes = tokenizer.encode(to_model_images(digits.test_images, demo.data.image_size))
+    rng = np.random.default_rng(seed)
+    documents = []
+    for i in range(min(count, len(labels))):
+        segments = caption_document(int(labels[i]), int(rng.integers(0, 4)), codes[i])
+        documents.append(vocab.encode_document(segments[::-1] if i % 2 else segments))
+    pairs = arithmetic_pairs(rng, max(1, count // 4))
+    picks = [pick_by_label(labels, wanted, rng) for wanted in (pairs[:, 0], pairs[:, 1], pairs.sum(axis=1))]
+    for a, b, c in zip(*picks):
+        documents.append(vocab.encode_document(arithmetic_document(codes[a], codes[b], codes[c], int(labels[a]),
+                                                                   int(labels[b]))))
+    return documents
+
+
+@torch.no_grad()
+def document_loss(model, documents: list[list[int]], pad_id: int, batch_size: int = 32) -> dict:
+    """The model's mean next-token loss over the documents: every target, text targets and image targets."""
+    model.eval()
+    sums = {"text": 0.0, "image": 0.0}
+    counts = {"text": 0, "image": 0}
+    for begin in range(0, len(documents), batch_size):
+        chunk = documents[begin : begin + batch_size]
+        width = max(map(len, chunk))
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        doc = torch.full((len(chunk), width), -1, dtype=torch.long)
+        for row, tokens in enumerate(chunk):
+            ids[row, : len(tokens)] = torch.tensor(tokens)
+            doc[row, : len(tokens)] = 0
+        out = model.loss(ids, doc)
+        for part in ("text", "image"):
+            n = int(out[f"n_{part}_targets"])
+            sums[part] += float(out[f"{part}_loss"]) * n
+            counts[part] += n
+    total = sum(counts.values())
+    return {"all": (sums["text"] + sums["image"]) / max(total, 1),
+            **{part: sums[part] / max(counts[part], 1) for part in sums}, "targets": total, **{
+                f"{part}_targets": counts[part] for part in counts}}
+
+
+# ---------------------------------------------------------------- training (train.py fit)
+
+
+class TargetCounter(L.Callback):
+    """Counts what an SFT run trained on: real (non-padding) positions and loss targets (`target_mask` true, or
+    every real position when the batch carries none); written to `path` at the end."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__()
+        self.path, self.positions, self.targets, self.rows = Path(path), 0, 0, 0
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
+                           batch_idx: int) -> None:
+        """Add the batch's counts."""
+        real = batch["document_ids"] >= 0
+        mask = batch.get("target_mask")
+        self.positions += int(real.sum())
+        self.targets += int((real & mask.bool()).sum()) if mask is not None else int(real.sum())
+        self.rows += int(real.shape[0])
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Write the counts."""
+        atomic_write_json(self.path, {"positions": self.positions, "targets": self.targets, "rows": self.rows})
+
+
+def fit_options(config: SFTExperimentConfig, folder: Path, demo_dir: Path, token_dir: Path, vocab,
+                answer_only: bool) -> list[str]:
+    """The `train.py fit` options of one SFT arm: the SFT recipe over the demo's config, the demo's decoder as the
+    start, the demo's architecture (a later --config replaces model.config whole), the experiment's lr and steps."""
+    callbacks = [
+        {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+         "init_args": {"dirpath": str(folder / "checkpoints"), "save_last": True,
+                       "every_n_train_steps": config.steps}},
+        {"class_path": "experiments.demo.recorder.LossRecorder", "init_args": {"path": str(folder / "losses.json")}},
+        {"class_path": "experiments.sft.TargetCounter", "init_args": {"path": str(folder / "targets.json")}},
+    ]
+    return [
+        f"--config={SFT_CONFIG}",
+        "--model.config.preset=demo", f"--model.config.vocab_size={vocab.vocab_size}",
+        f"--model.config.image_offset={vocab.image_offset}", f"--model.config.image_codes={vocab.image_codes}",
+        f"--model.init_weights={demo_dir / 'train' / 'model.ckpt'}",
+        f"--data.answer_only={'true' if answer_only else 'false'}",
+        f"--model.lr={config.lr}", f"--model.warmup_steps={config.warmup_steps}",
+        f"--seed_everything={config.seed}", f"--trainer.max_steps={config.steps}", "--trainer.max_time=null",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={folder}", f"--trainer.logger.init_args.save_dir={folder}",
+        f"--data.train_dir={token_dir}", f"--data.seed={config.seed}",
+        f"--data.vocab={demo_dir / 'vocab' / 'tokenizer.json'}",
+        f"--data.image_tokenizer={demo_dir / 'tokenizer' / 'model'}",
+        *[f"--trainer.callbacks+={json.dumps(c)}" for c in callbacks], *config.extra_fit,
+    ]
+
+
+def fit_arm(name: str, config: SFTExperimentConfig, out_dir: Path, demo_dir: Path, token_dir: Path, vocab,
+            answer_only: bool, log: Callable[[str], None]) -> tuple[torch.nn.Module, dict]:
+    """Train one SFT arm through `train.py fit` (or reuse a finished one); its decoder and training record."""
+    from fusion_model.checkpoint import load_model
+    from fusion_model.cli.fit import fit_from_config
+
+    folder = out_dir / name
+    options = fit_options(config, folder, demo_dir, token_dir, vocab, answer_only)
+    saved = folder / "record.json"
+    if config.reuse and saved.is_file():
+        record = json.loads(saved.read_text())
+        if record["options"] == options and Path(record["checkpoint"]).is_file():
+            log(f"  {name}: reusing the finished run")
+            return load_model(record["checkpoint"]).eval(), record
+    if folder.exists():
+        shutil.rmtree(folder)  # every run starts fresh: the comparison is of fixed step counts
+    log(f"  {name}: {config.steps} steps (loss on {'the answers only' if answer_only else 'every token'}) ...")
+    cli = fit_from_config(FIT_CONFIG, options)
+    module = cli.model.eval()
+    model = module.model.eval()
+    final = json.loads((folder / "losses.json").read_text())
+    counts = json.loads((folder / "targets.json").read_text())
+    seq_len = int(cli.datamodule.seq_len)
+    flops_per_token = module.model_config.flops_per_token(seq_len)
+    positions = int(module.decoder_positions)
+    from fusion_model.checkpoint import save_model
+
+    checkpoint = save_model(model, folder / "model.ckpt")
+    record = {
+        "steps": int(final["final"]["steps"]), "seconds": float(final["final"]["seconds"]),
+        "tokens": int(counts["positions"]), "loss_targets": int(counts["targets"]), "rows": int(counts["rows"]),
+        "decoder_positions": positions, "seq_len": seq_len, "batch_size": int(cli.datamodule.batch_size),
+        "flops_per_token": flops_per_token, "flops": flops_per_token * positions,
+        "tokens_per_second": int(counts["positions"]) / max(float(final["final"]["seconds"]), 1e-9),
+        "final_train_loss": {"text": final["text"][-1] if final["text"] else None,
+                             "image": final["image"][-1] if final["image"] else None},
+        "answer_only": answer_only, "token_dir": str(token_dir), "checkpoint": str(checkpoint), "options": options,
+    }
+    atomic_write_json(saved, record)
+    log(f"  {name}: {record['steps']} steps, {record['tokens']:,} tokens ({record['loss_targets']:,} loss targets) "
+        f"in {record['seconds']:.0f} s")
+    return model, record
+
+
+# ---------------------------------------------------------------- answering and scoring
+
+
+def load_png(path: Path) -> torch.Tensor:
+    """A written conversation image as the tokenizer's input (3, H, W) in [-1, 1]."""
+    from PIL import Image
+
+    pixels = torch.tensor(np.array(Image.open(path).convert("RGB")), dtype=torch.float32)  # a writable copy
+    return pixels.permute(2, 0, 1) / 127.5 - 1.0
+
+
+def held_out_prompts(folder: Path, conversations: list[sft_data.Conversation], vocab, tokenizer) -> list[list[int]]:
+    """The chat-template prompt ids (`<s> [user] <sep>`) of each held-out conversation, its images as codes."""
+    from tokenizer.chat import Turn, generation_prompt
+
+    paths = sorted({p for c in conversations for p in sft_data.user_parts(c) if isinstance(p, Path)})
+    codes: dict[Path, torch.Tensor] = {}
+    if paths:
+        with torch.no_grad():
+            encoded = tokenizer.encode(torch.stack([load_png(folder / p) for p in paths]))
+        codes = dict(zip(paths, encoded))
+    grid = tuple(tokenizer.grid_shape)
+    return [generation_prompt(vocab, [Turn("user", tuple(codes[p] if isinstance(p, Path) else p
+                                                         for p in sft_data.user_parts(c)))], grid_shape=grid)
+            for c in conversations]
+
+
+def answer(model, vocab, prompts: list[list[int]], demo: DemoConfig, grid: tuple[int, int], seed: int,
+           batch_size: int = 64) -> list[list[int]]:
+    """Each prompt's answer ids through the sampler `generate` runs: interleaved mode (the model chooses text or an
+    image), greedy text, the demo's image sampling (temperature, top-k, guidance); stops at `</s>`."""
+    from fusion_model.sampling import SamplingConfig, generate_ids
+
+    settings = demo.generate
+    config = SamplingConfig(mode="interleaved", text_temperature=0.0, image_temperature=settings.temperature,
+                            image_top_k=settings.top_k, cfg_scale=settings.cfg_scale, image_grid=grid, seed=seed,
+                            max_new_tokens=grid[0] * grid[1] + 2 + MAX_TEXT_TOKENS)
+    out: list[list[int]] = []
+    with torch.no_grad():
+        for begin in range(0, len(prompts), batch_size):
+            out += generate_ids(model, vocab, prompts[begin : begin + batch_size], config)
+    return out
+
+
+def normalise(text: str) -> str:
+    """An answer as exact match compares it: lower case, outer spaces and a final full stop dropped."""
+    return text.strip().lower().rstrip(".").strip()
+
+
+def read_answer(ids: list[int], vocab, grid: tuple[int, int]) -> dict:
+    """What one answer holds: its text (all text segments), its first complete image's codes, whether it opened
+    any image (`<boi>`, complete or not), and the text after its first image."""
+    from fusion_model.sampling.generate import split_segments
+
+    segments = split_segments(ids, vocab, grid)
+    images = [s for s in segments if not isinstance(s, str)]
+    first = next((i for i, s in enumerate(segments) if not isinstance(s, str)), len(segments))
+    return {"text": "".join(s for s in segments if isinstance(s, str)).strip(),
+            "after_image": "".join(s for s in segments[first + 1 :] if isinstance(s, str)).strip(),
+            "codes": images[0] if images else None, "opened_image": vocab.boi_id in ids}
+
+
+def score(conversations: list[sft_data.Conversation], answers: list[dict], predicted: list[int | None]) -> dict:
+    """Per category: accuracy (text: exact match of the digit's name, no image; image: the classifier reads the
+    asked digit in the answer's first image), the wrong-modality rate, and lenient / sentence scores; overall: the
+    rate of images where none was asked and of text-only answers where an image was."""
+    per: dict[str, dict] = {}
+    for category in sft_data.CATEGORIES:
+        rows = [(c, a, p) for c, a, p in zip(conversations, answers, predicted) if c.category == category]
+        if not rows:
+            continue
+        n = len(rows)
+        if category in TEXT_ANSWERS:
+            exact = [a["codes"] is None and not a["opened_image"] and normalise(a["text"]) == DIGIT_WORDS[c.answer]
+                     for c, a, _ in rows]
+            per[category] = {
+                "count": n, "accuracy": float(np.mean(exact)),
+                "names_answer": float(np.mean([parse_digit(a["text"]) == c.answer for c, a, _ in rows])),
+                "image_when_none_asked": float(np.mean([a["opened_image"] for _, a, _ in rows])),
+            }
+        else:
+            correct = [p is not None and p == c.answer for c, _, p in rows]
+            per[category] = {
+                "count": n, "accuracy": float(np.mean(correct)),
+                "text_only_when_image_asked": float(np.mean([a["codes"] is None for _, a, _ in rows])),
+            }
+            if category == "interleaved":
+                per[category]["sentence_accuracy"] = float(np.mean(
+                    [parse_digit(a["after_image"]) == c.answer for c, a, _ in rows]))
+                per[category]["image_and_sentence"] = float(np.mean(
+                    [ok and parse_digit(a["after_image"]) == c.answer for (c, a, _), ok in zip(rows, correct)]))
+    text_rows = [per[c] for c in TEXT_ANSWERS if c in per]
+    image_rows = [per[c] for c in IMAGE_ANSWERS if c in per]
+    weighted = lambda rows, key: (sum(r[key] * r["count"] for r in rows)  # noqa: E731
+                                  / max(sum(r["count"] for r in rows), 1))
+    return {"categories": per, "mean_accuracy": float(np.mean([r["accuracy"] for r in per.values()])),
+            "image_when_none_asked": weighted(text_rows, "image_when_none_asked"),
+            "text_only_when_image_asked": weighted(image_rows, "text_only_when_image_asked")}
+
+
+def evaluate_arm(name: str, model, ctx: _Context) -> dict:
+    """Answer every held-out conversation, read the images with the classifier, score; plus the held-out
+    pretraining loss."""
+    start = time.perf_counter()
+    new_ids = answer(model, ctx.vocab, ctx.prompts, ctx.demo, ctx.grid, ctx.config.seed)
+    seconds = time.perf_counter() - start
+    answers = [read_answer(ids, ctx.vocab, ctx.grid) for ids in new_ids]
+    with_image = [i for i, a in enumerate(answers) if a["codes"] is not None]
+    predicted: list[int | None] = [None] * len(answers)
+    images = torch.zeros(len(answers), 3, *ctx.image_size)
+    if with_image:
+        with torch.no_grad():
+            decoded = ctx.tokenizer.decode(torch.stack([answers[i]["codes"] for i in with_image]))
+            labels = ctx.classifier.predict(decoded).tolist()
+        for i, label, image in zip(with_image, labels, decoded):
+            predicted[i], images[i] = int(label), image
+    scores = score(ctx.conversations, answers, predicted)
+    forgetting = document_loss(model, ctx.documents, ctx.vocab.pad_id)
+    generated = sum(len(ids) for ids in new_ids)
+    ctx.answers[name] = {"answers": answers, "predicted": predicted, "images": images}
+    # each answer as scored, in the held-out file's order (the codes stay out: the sample page shows the images)
+    given = [{"text": a["text"], "image_read": p, "opened_image": a["opened_image"]}
+             for a, p in zip(answers, predicted)]
+    return {**scores, "held_out_pretraining_loss": forgetting, "answer_seconds": seconds,
+            "generated_tokens": generated, "generated_tokens_per_second": generated / max(seconds, 1e-9),
+            "answers": given}
+
+
+# ---------------------------------------------------------------- the experiment
+
+
+@dataclass
+class _Context:
+    """What every arm's evaluation shares."""
+
+    config: SFTExperimentConfig
+    demo: DemoConfig
+    vocab: object
+    tokenizer: object
+    classifier: object
+    conversations: list
+    prompts: list
+    documents: list
+    grid: tuple[int, int]
+    image_size: tuple[int, int]
+    answers: dict = field(default_factory=dict)
+
+
+def run(config: SFTExperimentConfig, log: Callable[[str], None] = print, demo: DemoConfig | None = None) -> dict:
+    """Write the conversations, train the SFT arms, answer and score every arm; returns (and writes) the results.
+
+    `demo`: the settings the demo in `demo_dir` ran with (default: the preset's): its held-out digits must be the
+    ones it held out."""
+    from common.files import load_checkpoint_file
+    from experiments.demo.classifier import DigitClassifier
+    from experiments.demo.stages import load_decoder
+
+    demo = demo or load_config(config.demo)
+    demo_dir = Path(config.demo_dir or demo.out_dir).resolve()
+    out_dir = Path(config.out_dir).resolve()
+    require_outputs(demo_dir, config.demo, ("tokenizer/model", "vocab/tokenizer.json", "train/model.ckpt",
+                                            "generate/classifier.pt"),
+                    "pretrained decoder, tokenizer, vocabulary and classifier")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    start, threads = time.perf_counter(), torch.get_num_threads()  # read now: a fit may change it for itself
+    vocab, tokenizer = load_vocab(demo_dir), load_image_tokenizer(demo_dir)
+    grid = tuple(int(g) for g in tokenizer.grid_shape)
+
+    log("[1/5] conversations from the demo's digits (training digits for training, held-out for evaluation)")
+    digits = digits_for(demo)
+    size = demo.data.image_size
+    pictures = {"train": SplitPictures(digits.train_images, size), "held_out": SplitPictures(digits.test_images, size)}
+    chat = sft_data.write_chat_data(out_dir / "chat", digits.train_labels, digits.test_labels, pictures,
+                                    train_conversations=config.train_conversations,
+                                    held_out_per_category=config.held_out_per_category, seed=config.seed)
+
+    log("[2/5] token shards (train.py shards write --chat, shards tokenize --train-roles assistant)")
+    shards = {name: chat_shards(getattr(chat, name), out_dir / "shards" / name, demo_dir)
+              for name in ("train", "train_unbalanced")}
+
+    conversations = sft_data.read_labels(chat.folder, "held_out")
+    classifier = DigitClassifier()
+    classifier.load_state_dict(load_checkpoint_file(demo_dir / "generate" / "classifier.pt"))
+    ctx = _Context(config, demo, vocab, tokenizer, classifier.eval(), conversations,
+                   held_out_prompts(chat.folder, conversations, vocab, tokenizer),
+                   pretraining_documents(demo, tokenizer, vocab, config.held_out_documents, config.seed),
+                   grid, (size, size))
+
+    log("[3/5] training (train.py fit --config configs/fusion/demo.yaml --config configs/fusion/post/sft.yaml)")
+    models: dict[str, torch.nn.Module] = {"pretrained": load_decoder(demo_dir)}
+    training: dict[str, dict] = {}
+    for name, arm in ARMS.items():
+        if arm is not None:
+            split, answer_only = arm
+            models[name], training[name] = fit_arm(name, config, out_dir, demo_dir, shards[split], vocab,
+                                                   answer_only, log)
+
+    log("[4/5] answering the held-out conversations")
+    results: dict[str, dict] = {}
+    for name, model in models.items():
+        results[name] = evaluate_arm(name, model.eval(), ctx)
+        log(f"  {name}: " + ", ".join(f"{c} {r['accuracy']:.0%}" for c, r in results[name]["categories"].items())
+            + f"; held-out pretraining loss {results[name]['held_out_pretraining_loss']['all']:.3f}")
+
+    log("[5/5] results")
+    record = {"config": dataclasses.asdict(config), "demo_dir": str(demo_dir), "out_dir": str(out_dir),
+              "sft_config": str(SFT_CONFIG.relative_to(REPO_ROOT)), "arms": {k: v and list(v) for k, v in ARMS.items()},
+              "training": training, "results": results,
+              "data": {"train": counts_of(chat.folder, "train"), "train_unbalanced": counts_of(chat.folder,
+                                                                                               "train_unbalanced"),
+                       "held_out": counts_of(chat.folder, "held_out"),
+                       "held_out_pretraining_documents": len(ctx.documents)},
+              "minutes": (time.perf_counter() - start) / 60, "threads": threads,
+              "finished_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+    record["samples"] = str(write_samples(ctx, out_dir / "samples.html", chat.folder))
+    atomic_write_json(out_dir / "results.json", record)
+    atomic_write_text(out_dir / "results.md", results_table(record))
+    log(results_table(record))
+    log(f"results: {out_dir / 'results.md'}, samples: {record['samples']} ({record['minutes']:.1f} minutes)")
+    return record
+
+
+def counts_of(folder: Path, name: str) -> dict[str, int]:
+    """Conversations per category of one written split."""
+    rows = sft_data.read_labels(folder, name)
+    return {c: sum(r.category == c for r in rows) for c in sft_data.CATEGORIES}
+
+
+# ---------------------------------------------------------------- outputs
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def results_table(record: dict) -> str:
+    """The results as Markdown tables: accuracy per category, wrong-modality rates and forgetting, training cost."""
+    results, training = record["results"], record["training"]
+    categories = list(sft_data.CATEGORIES)
+    lines = ["| arm | " + " | ".join(categories) + " | mean | interleaved sentence | image when none asked | "
+             "text-only when image asked |", "|---" * (len(categories) + 5) + "|"]
+    for arm, r in results.items():
+        cells = [_pct(r["categories"].get(c, {}).get("accuracy")) for c in categories]
+        sentence = r["categories"].get("interleaved", {}).get("sentence_accuracy")
+        lines.append(f"| {arm} | " + " | ".join(cells) + f" | {_pct(r['mean_accuracy'])} | {_pct(sentence)} | "
+                     f"{_pct(r['image_when_none_asked'])} | {_pct(r['text_only_when_image_asked'])} |")
+    lines += ["", "| arm | held-out pretraining loss | text | image | change (all) |", "|---" * 5 + "|"]
+    before = results["pretrained"]["held_out_pretraining_loss"]["all"]
+    for arm, r in results.items():
+        loss = r["held_out_pretraining_loss"]
+        lines.append(f"| {arm} | {loss['all']:.4f} | {loss['text']:.4f} | {loss['image']:.4f} | "
+                     f"{loss['all'] - before:+.4f} |")
+    lines += ["", "| arm | steps | tokens | loss targets | training FLOPs | tokens/s | seconds | answers: tokens/s |",
+              "|---" * 8 + "|"]
+    for arm, r in results.items():
+        t = training.get(arm)
+        if t is None:
+            lines.append(f"| {arm} | 0 | 0 | 0 | 0 | - | - | {r['generated_tokens_per_second']:,.0f} |")
+            continue
+        lines.append(f"| {arm} | {t['steps']} | {t['tokens']:,} | {t['loss_targets']:,} | {t['flops']:.3g} | "
+                     f"{t['tokens_per_second']:,.0f} | {t['seconds']:.0f} | {r['generated_tokens_per_second']:,.0f} |")
+    data, config = record["data"], record["config"]
+    held = data["held_out"]
+    lines += ["", f"Held-out conversations per category: {held}; training conversations: balanced {data['train']}, "
+              f"unbalanced {data['train_unbalanced']}. Accuracy: text answers by exact match of the digit's name "
+              f"(no image), image answers by the demo's classifier reading the answer's first image (interleaved: "
+              f"the image; 'interleaved sentence': the sentence after it names the digit). Forgetting: mean "
+              f"next-token loss on {data['held_out_pretraining_documents']} pretraining-style documents of held-out "
+              f"digits. Every SFT arm: {config['steps']} steps at lr {config['lr']:g} (configs/fusion/post/sft.yaml: "
+              f"1e-5{'' if config['lr'] == 1e-5 else ', overridden for the small demo decoder'}). Training FLOPs = "
+              f"FLOPs/token x real (non-padding) positions run (the answer-only loss costs the same forward and "
+              f"backward). {record['minutes']:.1f} minutes on "
+              f"{record['threads']} thread(s)."]
+    return "\n".join(lines) + "\n"
+
+
+def write_samples(ctx: _Context, path: Path, chat_folder: Path) -> Path:
+    """`samples.html`: for each category, a few held-out prompts and every arm's answer (text, image with the
+    classifier's reading), marked right or wrong."""
+    import html
+
+    from experiments.demo import report
+
+    shown = ctx.config.samples_shown
+    sections = []
+    for category in sft_data.CATEGORIES:
+        picks = [i for i, c in enumerate(ctx.conversations) if c.category == category][:shown]
+        if not picks:
+            continue
+        rows = []
+        for i in picks:
+            c = ctx.conversations[i]
+            prompt = " ".join(report.image_tag(np.asarray(_open(chat_folder / p)), 48) if isinstance(p, Path)
+                              else html.escape(p) for p in sft_data.user_parts(c))
+            cells = [f"<td>{prompt}<br><small>answer: {DIGIT_WORDS[c.answer]}</small></td>"]
+            for held in ctx.answers.values():
+                a, read = held["answers"][i], held["predicted"][i]
+                body = ""
+                if a["codes"] is not None:
+                    body += report.image_tag(report.to_uint8(held["images"][i : i + 1])[0], 48) + f" ({read}) "
+                body += html.escape(a["text"] or "") or "<i>(no text)</i>"
+                ok = (read == c.answer) if sft_data.ASKS_FOR_IMAGE[category] else (
+                    a["codes"] is None and not a["opened_image"] and normalise(a["text"]) == DIGIT_WORDS[c.answer])
+                cells.append(f"<td>{report.mark(bool(ok))} {body}</td>")
+            rows.append("<tr>" + "".join(cells) + "</tr>")
+        header = "<tr><th>prompt</th>" + "".join(f"<th>{html.escape(a)}</th>" for a in ctx.answers) + "</tr>"
+        sections.append(report.section(category, f"<table>{header}{''.join(rows)}</table>"))
+    return report.write_html(path, "SFT on the demo's digits: held-out conversations and each arm's answer",
+                             sections, "Images in answers show the digit the independent classifier reads.")
+
+
+def _open(path: Path):
+    from PIL import Image
+
+    return Image.open(path).convert("RGB")
+
+
+# ---------------------------------------------------------------- command line
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `train.py experiment sft` options."""
+    defaults = SFTExperimentConfig()
+    parser = argparse.ArgumentParser(prog="train.py experiment sft", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true",
+                        help="a few steps and conversations on the smoke demo's outputs (runs/demo-smoke), "
+                             "about a minute")
+    parser.add_argument("--demo", default=None, help=f"the demo preset whose outputs are reused (default: "
+                        f"{defaults.demo}; smoke with --smoke)")
+    parser.add_argument("--demo-dir", default=None, help="the finished demo's folder (default: the preset's out_dir)")
+    parser.add_argument("--out", default=None, help=f"output folder (default: {defaults.out_dir}; "
+                        "runs/sft-smoke with --smoke)")
+    for name in ("steps", "train_conversations", "held_out_per_category", "warmup_steps", "held_out_documents",
+                 "samples_shown", "seed"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                            help=f"default: {getattr(defaults, name)}")
+    parser.add_argument("--lr", type=float, default=None, help=f"SFT learning rate (default: {defaults.lr}; "
+                        "configs/fusion/post/sft.yaml's 1e-5 is for billions of parameters)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep arms already trained with the same options (resume an interrupted experiment)")
+    parser.add_argument("--threads", default="auto", help="torch threads: auto = the cores other processes leave idle")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> SFTExperimentConfig:
+    """The experiment's settings: the full run's or the smoke mode's, with the options given replacing theirs."""
+    base = smoke_config() if args.smoke else SFTExperimentConfig()
+    given = {"demo": args.demo, "demo_dir": args.demo_dir, "out_dir": args.out, "lr": args.lr,
+             "reuse": args.reuse or None,
+             **{name: getattr(args, name) for name in ("steps", "train_conversations", "held_out_per_category",
+                                                       "warmup_steps", "held_out_documents", "samples_shown",
+                                                       "seed")}}
+    return dataclasses.replace(base, **{k: v for k, v in given.items() if v is not None})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python train.py experiment sft`."""
+    return run_experiment_command("sft", argv, build_parser, config_from_args, run)

@@ -1,0 +1,149 @@
+"""`train.py experiment sft` in its smoke mode, end to end on a cut-down demo, and its scoring rules."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from experiments import sft as experiment
+from experiments import sft_data
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the fixtures are in conftest.py
+
+
+@pytest.fixture(scope="module")
+def demo_with_decoder(finished_demo, tmp_path_factory):
+    """The shared cut-down demo's outputs (linked, never written) plus an untrained decoder as its train stage's
+    `model.ckpt` (the fixture skips the demo's training): the SFT arms start from it."""
+    from fusion_model.checkpoint import save_model
+    from fusion_model.config import FusionConfig
+    from fusion_model.model import FusionModel
+    from tokenizer.vocab import UnifiedVocab
+
+    demo, source = finished_demo
+    folder = tmp_path_factory.mktemp("demo_with_decoder")
+    for name in ("tokenizer", "vocab", "shards", "generate"):
+        (folder / name).symlink_to(source / name, target_is_directory=True)
+    vocab = UnifiedVocab.load(source / "vocab" / "tokenizer.json")
+    torch.manual_seed(0)
+    config = FusionConfig.from_preset("demo", vocab_size=vocab.vocab_size, image_offset=vocab.image_offset,
+                                      image_codes=vocab.image_codes)
+    save_model(FusionModel(config), folder / "train" / "model.ckpt")
+    return replace(demo, out_dir=str(folder)), folder
+
+
+@pytest.fixture(scope="module")
+def smoke(demo_with_decoder, tmp_path_factory):
+    """The smoke mode's record, smaller still (run once for the tests below)."""
+    demo, folder = demo_with_decoder
+    settings = replace(experiment.smoke_config(str(folder), str(tmp_path_factory.mktemp("sft"))), steps=4,
+                       train_conversations=80, held_out_per_category=3, held_out_documents=8)
+    return settings, experiment.run(settings, log=lambda message: None, demo=demo)
+
+
+def test_every_arm_trains_the_same_steps_and_the_same_data_order(smoke):
+    settings, record = smoke
+    training, results = record["training"], record["results"]
+    assert set(results) == set(experiment.ARMS) and set(training) == set(experiment.ARMS) - {"pretrained"}
+    for name, t in training.items():
+        assert t["steps"] == settings.steps, name
+        assert 0 < t["loss_targets"] <= t["tokens"] <= t["decoder_positions"]
+        assert t["flops"] == t["flops_per_token"] * t["decoder_positions"] > 0
+    answer_only, all_tokens = training["answer_only"], training["all_tokens"]
+    # the same shards and seed: the same batches, so the same tokens and FLOPs; only the loss targets differ
+    assert answer_only["tokens"] == all_tokens["tokens"] and answer_only["flops"] == all_tokens["flops"]
+    assert all_tokens["loss_targets"] == all_tokens["tokens"] > answer_only["loss_targets"]
+    assert not all_tokens["answer_only"] and answer_only["answer_only"]
+    # the unbalanced mix has mostly text answers: a smaller share of its tokens are answer targets
+    unbalanced = training["unbalanced"]
+    assert unbalanced["loss_targets"] / unbalanced["tokens"] < answer_only["loss_targets"] / answer_only["tokens"]
+    assert any("--data.answer_only=false" == o for o in all_tokens["options"])
+    assert any(o.startswith("--model.init_weights=") for o in answer_only["options"])
+
+
+def test_scores_cover_every_category_and_forgetting_is_measured(smoke):
+    settings, record = smoke
+    for name, r in record["results"].items():
+        assert set(r["categories"]) == set(sft_data.CATEGORIES), name
+        for category, c in r["categories"].items():
+            assert c["count"] == settings.held_out_per_category, category
+            assert 0.0 <= c["accuracy"] <= 1.0
+        for key in ("image_when_none_asked", "text_only_when_image_asked", "mean_accuracy"):
+            assert 0.0 <= r[key] <= 1.0
+        loss = r["held_out_pretraining_loss"]
+        assert loss["targets"] == loss["text_targets"] + loss["image_targets"] > 0
+        assert all(np.isfinite(loss[k]) and loss[k] > 0 for k in ("all", "text", "image"))
+        assert r["generated_tokens"] > 0
+        assert len(r["answers"]) == len(sft_data.CATEGORIES) * settings.held_out_per_category
+    # the SFT arms start from the pretrained decoder and move away from it
+    before = record["results"]["pretrained"]["held_out_pretraining_loss"]["all"]
+    assert all(record["results"][arm]["held_out_pretraining_loss"]["all"] != before for arm in record["training"])
+
+
+def test_outputs_are_written(smoke):
+    settings, record = smoke
+    out = settings.out_dir
+    saved = json.loads(open(f"{out}/results.json").read())
+    assert saved["results"]["answer_only"]["categories"] == record["results"]["answer_only"]["categories"]
+    table = open(f"{out}/results.md").read()
+    assert all(f"| {arm} |" in table for arm in experiment.ARMS)
+    page = open(record["samples"]).read()
+    assert page.startswith("<!doctype html>") and all(c in page for c in sft_data.CATEGORIES)
+    assert page.count("<img") >= settings.samples_shown * 2  # the prompts' images at least
+    assert saved["data"]["held_out"] == dict.fromkeys(sft_data.CATEGORIES, settings.held_out_per_category)
+
+
+def test_prompts_end_the_user_turn_and_hold_only_held_out_images(smoke, demo_with_decoder):
+    from experiments.demo.stages import load_image_tokenizer, load_vocab
+
+    settings, record = smoke
+    _, folder = demo_with_decoder
+    chat = experiment.Path(settings.out_dir) / "chat"
+    conversations = sft_data.read_labels(chat, "held_out")
+    assert {c.split for c in conversations} == {"held_out"}
+    vocab = load_vocab(folder)
+    prompts = experiment.held_out_prompts(chat, conversations[:4], vocab, load_image_tokenizer(folder))
+    for prompt, c in zip(prompts, conversations):
+        assert prompt[0] == vocab.bos_id and prompt[-1] == vocab.sep_id
+        assert prompt.count(vocab.boi_id) == (c.category in ("visual_chat", "interleaved"))
+
+
+def _answer(text: str = "", image: bool = False) -> dict:
+    return {"text": text, "after_image": text if image else "", "codes": torch.zeros(2, 2) if image else None,
+            "opened_image": image}
+
+
+def test_score_rules():
+    c = sft_data.Conversation
+    conversations = [c("visual_chat", 7, 7, "held_out", 0, -1), c("visual_chat", 3, 3, "held_out", 1, -1),
+                     c("text_only", 3, 4, "held_out", -1, -1), c("image_generation", 5, 5, "held_out", -1, 2),
+                     c("interleaved", 9, 0, "held_out", 3, 4), c("interleaved", 1, 2, "held_out", 5, 6)]
+    answers = [_answer(" Seven."), _answer("three", image=True), _answer("the number four"),
+               _answer("five"), _answer("That is a zero.", image=True), _answer("That is a two.", image=True)]
+    predicted = [None, 3, None, None, 0, 5]
+    scores = experiment.score(conversations, answers, predicted)
+    per = scores["categories"]
+    # exact match after case, spaces and a full stop; an answer with an image is never a right text answer
+    assert per["visual_chat"]["accuracy"] == 0.5 and per["visual_chat"]["image_when_none_asked"] == 0.5
+    assert per["text_only"]["accuracy"] == 0.0 and per["text_only"]["names_answer"] == 1.0
+    assert per["image_generation"]["accuracy"] == 0.0 and per["image_generation"]["text_only_when_image_asked"] == 1.0
+    assert per["interleaved"]["accuracy"] == 0.5 and per["interleaved"]["sentence_accuracy"] == 1.0
+    assert per["interleaved"]["image_and_sentence"] == 0.5
+    assert scores["image_when_none_asked"] == pytest.approx(1 / 3)
+    assert scores["text_only_when_image_asked"] == pytest.approx(1 / 3)
+    assert experiment.normalise(" Seven. ") == "seven"
+
+
+def test_command_line_options():
+    parser = experiment.build_parser()
+    smoke = experiment.config_from_args(parser.parse_args(["--smoke", "--steps", "3", "--lr", "1e-3"]))
+    assert (smoke.demo, smoke.out_dir, smoke.steps, smoke.lr) == ("smoke", "runs/sft-smoke", 3, 1e-3)
+    full = experiment.config_from_args(parser.parse_args([]))
+    assert (full.demo, full.out_dir) == ("full", "runs/sft")
+    from experiments.run import EXPERIMENTS
+
+    assert EXPERIMENTS["sft"][0] == "experiments.sft"
