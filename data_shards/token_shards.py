@@ -6,31 +6,32 @@ document in an error) and `NAME.meta.json` (counts, settings, the sha256 of the 
 the size + sha256 of each of the three files above; written last, so its presence means the shard is complete).
 Opening a shard checks those checksums (once per process and file); `verify_token_dir` checks everything.
 
-A shard holding at least one conversation (chat SFT data) also has `NAME.targets.npy`: uint8, one entry per id,
-bit 0 (`TARGET`) = the token is a training target, bit 1 (`CONVERSATION`) = it belongs to a conversation, which
-packing never cuts. Plain documents there are all 1; a conversation's prompt and context tokens (`<s>`, system and
-user turns with their `<sep>`) are 2, its trained roles' turns (with the `</s>` ending each answer) 3. Shards
-without conversations have no such file (every token is a target). The mask is stored, not derived from the ids,
-because the markers alone cannot tell a system turn from a user turn (`<sep>` ends both), so a run training one of
-them could not be told from the ids, and because a shard mixing documents and conversations needs a per-document
-"never cut" flag. It is checksummed in the meta's `files` like the others, and `verify_shard` checks it against
-the markers and the recorded `target_roles`.
+A shard holding at least one conversation also has `NAME.targets.npy`, its target mask (`data_shards.target_mask`:
+the format and why it is stored). Checksums are `data_shards.checksums`; the optional `NAME.features.npy` is written
+by `FeatureWriter` (`data_shards.feature_file`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
-from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 
-from common.files import atomic_path, atomic_write_bytes, atomic_write_json
+from common.files import atomic_write_json
+
+# re-exported: every name imported from checksums, feature_file and target_mask (moved there from this module) stays
+# importable from here; `X as X` marks the ones this module does not use itself
+from data_shards.checksums import _HASH_CHUNK, _REMEDY, _write_checked, check_file
+from data_shards.checksums import _VERIFIED as _VERIFIED
+from data_shards.checksums import sha256_file as sha256_file
+from data_shards.feature_file import FEATURES_FILE, FeatureWriter
 from data_shards.ranks import rank_subset
 from data_shards.raw import RAW_FORMAT, ShardError
+from data_shards.target_mask import CONVERSATION, TARGETS_FILE, first_mismatch
+from data_shards.target_mask import TARGET as TARGET
 from tokenizer.layout import image_position_mask
 
 TOKEN_FORMAT = "early-fusion-tokens/1"
@@ -49,17 +50,9 @@ MANIFEST_FIELDS = {
 # The vocabulary layout recorded since checksums were added; older manifests lack these (checks then skip them).
 LAYOUT_FIELDS = ("vocab_size", "image_offset", "image_codes", "pad_id", "bos_id", "eos_id")
 SHARD_FILES = (".ids.npy", ".offsets.npy", ".keys.json")
-FEATURES_FILE = ".features.npy"  # optional: pre-quantisation image features, one row per image-code position
-TARGETS_FILE = ".targets.npy"  # shards with conversations: uint8 per id, the bits below
-TARGET = 1  # bit 0 of a targets entry: the token is a training target
-CONVERSATION = 2  # bit 1: the token belongs to a conversation (packing never cuts it)
 # A manifest's `feature_kind` when its features are continuous images' latent patches (one row per `<image>`
 # placeholder position, written by a continuous image tokenizer); pre-quantisation features have "pre-quantisation".
 LATENT_KIND = "latent"
-_REMEDY = "the shard is corrupt or stale: re-run `train.py shards tokenize` into a fresh directory"
-_HASH_CHUNK = 8 << 20
-# (path, size, mtime_ns) -> sha256 of files already checked in this process (inherited by forked workers).
-_VERIFIED: dict[tuple[str, int, int], str] = {}
 
 
 def id_dtype(vocab_size: int) -> np.dtype:
@@ -67,95 +60,10 @@ def id_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.uint32)
 
 
-def sha256_file(path: str | Path) -> str:
-    """sha256 (hex) of a file, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(_HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _write_checked(path: Path, data: bytes) -> dict:
-    atomic_write_bytes(path, data)
-    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-
-
 def _npy_bytes(array: np.ndarray) -> bytes:
     buffer = io.BytesIO()
     np.save(buffer, array, allow_pickle=False)
     return buffer.getvalue()
-
-
-def check_file(path: Path, expected: dict) -> None:
-    """Raise ShardError naming `path` unless its size and sha256 equal `expected` ({"bytes", "sha256"}).
-
-    The hash is computed once per process and file (keyed by size and mtime), so a stream's workers and
-    repeated opens do not re-read the file.
-    """
-    try:
-        stat = path.stat()
-    except OSError as err:
-        raise ShardError(f"{path}: cannot read ({err}); {_REMEDY}") from err
-    if stat.st_size != expected["bytes"]:
-        raise ShardError(f"{path}: {stat.st_size} bytes, but {expected['bytes']} were written (truncated or "
-                         f"overwritten); {_REMEDY}")
-    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
-    actual = _VERIFIED.get(key) or sha256_file(path)
-    if actual != expected["sha256"]:
-        raise ShardError(f"{path}: sha256 {actual[:16]}... differs from the {expected['sha256'][:16]}... recorded "
-                         f"when it was written (bytes changed on disk); {_REMEDY}")
-    _VERIFIED[key] = actual
-
-
-class FeatureWriter:
-    """Writes a shard's `NAME.features.npy` in chunks, never holding the whole array: the bytes equal `np.save` of
-    the concatenated float16 (rows, dim) array. A context manager: the file appears (atomically) only through
-    `finish()`, called by `write_token_shard` before the meta; leaving the block without it removes the temporary."""
-
-    def __init__(self, out_dir: str | Path, name: str, dim: int) -> None:
-        self.path = Path(out_dir) / f"{name}{FEATURES_FILE}"
-        self.dim, self.rows = int(dim), 0
-        # np.save pads its header to 64 bytes; the row count is known only at the end, so its slot is reserved now
-        # and must not change length with the count (it does not below 10**40 rows at any dim below 10**12)
-        self._header_size = len(self._header(0))
-        if len(self._header(2**63 - 1)) != self._header_size:
-            raise ValueError(f"feature dim {dim}: the .npy header length would depend on the row count")
-        self._stack = ExitStack()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = self._stack.enter_context(atomic_path(self.path))
-        self._handle = self._stack.enter_context(open(self._tmp, "wb"))
-        self._handle.write(b"\0" * self._header_size)
-
-    def _header(self, rows: int) -> bytes:
-        buffer = io.BytesIO()
-        np.lib.format.write_array_header_1_0(
-            buffer, {"descr": np.lib.format.dtype_to_descr(np.dtype(np.float16)), "fortran_order": False,
-                     "shape": (rows, self.dim)})
-        return buffer.getvalue()
-
-    def write(self, rows: np.ndarray) -> None:
-        """Append feature rows (n, dim), stored as float16."""
-        rows = np.asarray(rows)
-        if rows.ndim != 2 or rows.shape[1] != self.dim:
-            raise ValueError(f"{self.path.name}: feature rows must be (n, {self.dim}), got shape {rows.shape}")
-        self._handle.write(np.ascontiguousarray(rows, dtype=np.float16).tobytes())
-        self.rows += rows.shape[0]
-
-    def finish(self) -> dict:
-        """Write the header, move the file into place; returns its {"bytes", "sha256"} for the meta."""
-        self._handle.seek(0)
-        self._handle.write(self._header(self.rows))
-        self._handle.close()
-        checked = {"bytes": os.path.getsize(self._tmp), "sha256": sha256_file(self._tmp)}  # one read back
-        self._stack.close()  # fsync, rename into place
-        return checked
-
-    def __enter__(self) -> FeatureWriter:
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self._stack.__exit__(exc_type, exc, tb)  # after finish(): nothing left; otherwise removes the temporary
 
 
 def write_token_shard(out_dir: str | Path, name: str, keys: list[str], documents: list[list[int] | np.ndarray],
@@ -400,49 +308,17 @@ class TokenShard:
 
     def check_targets(self, sep_id: int, eos_id: int, target_roles: list[str] | tuple[str, ...]) -> None:
         """Raise ShardError naming the document whose stored target mask disagrees with its ids' markers and the
-        trained roles (`shards verify`'s rule): the conversation bit constant within each document, plain documents
-        all `TARGET`, and in a conversation `<s>` never a target, each turn (ended by `<sep>`, or by `</s>` for the
-        assistant's, marker included) entirely a target or not as its role is trained."""
+        trained roles (`shards verify`'s rule: `data_shards.target_mask.first_mismatch`)."""
         targets = self.targets
         if targets is None or not len(self.ids):
             return
-        ids = np.asarray(self.ids, dtype=np.int64)
-        marks = np.asarray(targets)
-        n = len(ids)
-        doc_of = np.repeat(np.arange(len(self), dtype=np.int64), self.lengths)
-        starts = self.offsets[:-1][self.lengths > 0]
-        conv = (marks & CONVERSATION) != 0
-        target = (marks & TARGET) != 0
-        bad = np.zeros(n, dtype=bool)
-        bad |= marks > (TARGET | CONVERSATION)
-        bad |= conv != conv[self.offsets[:-1][doc_of]]  # the conversation bit is its document's first token's
-        bad |= ~conv & ~target  # a plain document is a target everywhere
-        # turns: a new segment at each document start, right after `<s>` and right after each end of turn
-        is_end = (ids == sep_id) | (ids == eos_id)
-        begins = np.zeros(n, dtype=bool)
-        begins[starts] = True
-        after_start = starts + 1
-        begins[after_start[after_start < n]] = True
-        begins[1:] |= is_end[:-1]
-        segment = np.cumsum(begins) - 1
-        first = np.flatnonzero(begins)
-        last = np.concatenate([first[1:], [n]]) - 1
         roles = set(target_roles)
-        others = len(roles & {"system", "user"})  # 0: no <sep> turn trained, 2: all, 1: each turn all or nothing
-        kind = np.where(ids[last] == eos_id, 1, np.where(ids[last] == sep_id, 2, 0))  # answer / other / neither
-        kind[np.isin(first, starts)] = 0  # `<s>` (a document's first token) is never a target
-        expected = np.where(kind == 1, int("assistant" in roles), np.where(kind == 2, -1 if others == 1 else
-                                                                            int(others == 2), 0))
-        lowest = np.minimum.reduceat(target.astype(np.int8), first)
-        highest = np.maximum.reduceat(target.astype(np.int8), first)
-        wrong = np.where(expected < 0, lowest != highest, (lowest != expected) | (highest != expected))
-        bad |= conv & wrong[segment]
-        if bad.any():
-            at = int(np.flatnonzero(bad)[0])
-            document = int(doc_of[at])
+        at = first_mismatch(self.ids, targets, self.offsets, sep_id, eos_id, roles)
+        if at is not None:
+            document = int(np.searchsorted(self.offsets, at, side="right") - 1)
             raise ShardError(f"shard {self.name}, document {document} (key {self.keys[document]!r}): its target mask "
                              f"({self.path(TARGETS_FILE)}) disagrees with its ids at id {at - int(self.offsets[document])}"
-                             f" (value {int(marks[at])}; trained roles {', '.join(sorted(roles))}); {_REMEDY}")
+                             f" (value {int(targets[at])}; trained roles {', '.join(sorted(roles))}); {_REMEDY}")
 
     @property
     def has_features(self) -> bool:
