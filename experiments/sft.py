@@ -2,14 +2,19 @@
 
 Chameleon's recipe (arXiv 2405.09818, section 3.2) fine-tunes the pretrained model on conversations with the loss on
 the answers only and balanced categories. Here, from the demo's pretrained decoder, vocabulary and VQ tokenizer,
-four arms answer the same held-out conversations (`experiments/sft_data.py`: visual chat, image generation,
+seven arms answer the same held-out conversations (`experiments/sft_data.py`: visual chat, image generation,
 interleaved "draw the next digit", text-only):
 - `pretrained`: the demo's decoder prompted in the chat template without fine-tuning;
 - `answer_only`: SFT with the loss on the assistant's turns only (Chameleon's);
 - `all_tokens`: the same data and steps with the loss on every token (`--data.answer_only false`);
-- `unbalanced`: answer-only SFT on as many conversations in an unbalanced mix (90% text answers).
-Every SFT arm trains for the same optimizer steps from the same seed; the first two read the same token shards, so
-they see the same batches in the same order. Everything runs through the commands users run: `train.py shards
+- `unbalanced`: answer-only SFT on as many conversations in an unbalanced mix (90% text answers);
+- `lora_r4`, `lora_r16`: answer-only SFT of a LoRA adapter on every projection (`--model.peft`, alpha = 2 x rank),
+  merged into the decoder for answering;
+- `head_only`: answer-only SFT of the output head's image-code rows alone (`--model.train_only image_head_rows`).
+Every SFT arm trains for the same optimizer steps from the same seed; all but `unbalanced` read the same token
+shards, so they see the same batches in the same order. Each trained arm's step is also measured: trainable
+parameters, AdamW bytes, the peak of live tensor bytes of one step (fusion_model/training/live_memory.py's LivePeak) and seconds per
+step. Everything runs through the commands users run: `train.py shards
 write --chat`, `shards tokenize --train-roles assistant`, `train.py fit --config configs/fusion/demo.yaml --config
 configs/fusion/post/sft.yaml --model.init_weights ...`, and the sampler `generate` uses (`generate_ids` on
 `tokenizer.chat.generation_prompt` ids). Answers are scored per category (images by the demo's independent digit
@@ -28,6 +33,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import lightning as L
 import numpy as np
@@ -54,13 +60,40 @@ from experiments.demo.stages import (
 )
 
 SFT_CONFIG = REPO_ROOT / "configs" / "fusion" / "post" / "sft.yaml"
-# arm -> (training conversations, loss on the answers only); None: no fine-tuning (the pretrained decoder)
-ARMS: dict[str, tuple[str, bool] | None] = {
+
+
+class Arm(NamedTuple):
+    """One SFT arm: its training conversations, whether the loss is on the answers only, and what trains (every
+    weight, a LoRA adapter: `--model.peft`, or the head's image-code rows: `--model.train_only`)."""
+
+    split: str
+    answer_only: bool
+    peft: dict | None = None
+    train_only: str | None = None
+
+    @property
+    def method(self) -> str:
+        """full, lora or head (what the optimizer updates)."""
+        return "lora" if self.peft else "head" if self.train_only else "full"
+
+
+def _lora(rank: int) -> dict:
+    # alpha = 2 x rank: the update's scale alpha/rank is 2 at both ranks, so one lr serves both (the usual choice)
+    return {"rank": rank, "alpha": 2 * rank, "dropout": 0.0, "targets": "all"}
+
+
+# arm -> its training; None: no fine-tuning (the pretrained decoder). The PEFT arms read the balanced answer-only
+# shards with the same seed as `answer_only`: the same batches in the same order.
+ARMS: dict[str, Arm | None] = {
     "pretrained": None,
-    "answer_only": ("train", True),
-    "all_tokens": ("train", False),
-    "unbalanced": ("train_unbalanced", True),
+    "answer_only": Arm("train", True),
+    "all_tokens": Arm("train", False),
+    "unbalanced": Arm("train_unbalanced", True),
+    "lora_r4": Arm("train", True, peft=_lora(4)),
+    "lora_r16": Arm("train", True, peft=_lora(16)),
+    "head_only": Arm("train", True, train_only="image_head_rows"),
 }
+PEAK_STEPS = 5  # the peak measurement's fit: step 0 makes AdamW's states, step 1 is measured, steps 2-4 are timed
 TEXT_ANSWERS = tuple(c for c in sft_data.CATEGORIES if not sft_data.ASKS_FOR_IMAGE[c])
 IMAGE_ANSWERS = tuple(c for c in sft_data.CATEGORIES if sft_data.ASKS_FOR_IMAGE[c])
 MAX_TEXT_TOKENS = 24  # room for an answer's text (the longest right one, "That is a seven.", is 6 tokens in the demo)
@@ -78,12 +111,17 @@ class SFTExperimentConfig:
     held_out_per_category: int = 100  # held-out conversations of each category
     # configs/fusion/post/sft.yaml's lr is Chameleon's 1e-5, for 7B/34B models; the demo's 1.1M-parameter decoder
     # pretrained at 2e-3 decaying to 2e-4, so SFT starts near where pretraining ended (docs/results/sft.md: 1e-5)
-    lr: float = 3e-4
+    lr: float = 3e-4  # the full-weight arms' (answer_only, all_tokens, unbalanced) and head_only's
+    # LoRA's: a low-rank update from B = 0 moves slower per step than full fine-tuning; 1e-3 (3.3x the full arms',
+    # inside the 2e-4..1e-3 usually used for LoRA on small models), the same for both ranks (alpha / rank = 2)
+    lora_lr: float = 1e-3
+    head_lr: float | None = None  # head_only's lr (None: lr)
     warmup_steps: int = 20
     held_out_documents: int = 200  # captioned held-out digits (+ a quarter as many arithmetic documents): forgetting
     samples_shown: int = 4  # conversations per category on the sample page
     seed: int = 0
     reuse: bool = False  # keep an arm whose record exists with the same options (resume an interrupted run)
+    arms: list[str] | None = None  # the SFT arms to train (default: all of ARMS); `pretrained` always answers
     extra_fit: list[str] = field(default_factory=list)  # more `train.py fit` options for every SFT arm
 
 
@@ -207,14 +245,97 @@ class TargetCounter(L.Callback):
         atomic_write_json(self.path, {"positions": self.positions, "targets": self.targets, "rows": self.rows})
 
 
+def arm_lr(config: SFTExperimentConfig, arm: Arm) -> float:
+    """The learning rate of an arm's family: LoRA's, head-only's or the full arms'."""
+    if arm.method == "lora":
+        return config.lora_lr
+    if arm.method == "head" and config.head_lr is not None:
+        return config.head_lr
+    return config.lr
+
+
+def arm_options(arm: Arm) -> list[str]:
+    """What an arm adds to `train.py fit`: --model.peft or --model.train_only (nothing for full SFT)."""
+    if arm.peft:
+        return [f"--model.peft={json.dumps(arm.peft)}"]
+    if arm.train_only:
+        return [f"--model.train_only={arm.train_only}"]
+    return []
+
+
+class StepPeak(L.Callback):
+    """What one training step of a run costs: the peak of live tensor bytes over optimizer step `measured` (after
+    AdamW's states exist), measured with fusion_model/training/live_memory.py's `LivePeak` (a dispatch mode that counts every
+    tensor storage alive: parameters, gradients, AdamW states, the batch, activations; CPU keeps no allocator
+    statistics), the AdamW state and gradient bytes then, the trainable parameters, and the wall time of each step
+    after it (without the dispatch mode); written to `path` at the end."""
+
+    def __init__(self, path: str, measured: int = 1) -> None:
+        super().__init__()
+        self.path, self.measured = Path(path), measured
+        self.record: dict = {"step_seconds": []}
+        self._mode, self._start = None, None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Count the trainable parameters as the module reports them (head-only: the image-code rows)."""
+        from fusion_model.families.adapters import count_parameters
+
+        trainable, total = count_parameters(pl_module)
+        in_optimizer = trainable
+        if pl_module.hparams.get("train_only"):  # the head is one trainable matrix; only its image rows move
+            trainable = pl_module.model_config.image_codes * pl_module.parts["model"].head.weight.shape[1]
+        self.record.update(trainable_parameters=trainable, total_parameters=total,
+                           optimizer_parameters=in_optimizer)
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch, batch_idx: int) -> None:
+        """Start the live-tensor count on the measured step, the clock on the later ones."""
+        if trainer.global_step == self.measured:
+            from fusion_model.training.live_memory import LivePeak
+
+            self._mode = LivePeak()
+            states = [v for state in trainer.optimizers[0].state.values() for v in state.values() if torch.is_tensor(v)]
+            for tensor in [*pl_module.parameters(), *(p.grad for p in pl_module.parameters() if p.grad is not None),
+                           *states, *(v for v in batch.values() if torch.is_tensor(v))]:
+                self._mode.register(tensor)
+            self._mode.measure()
+            self._mode.__enter__()
+        elif trainer.global_step > self.measured:
+            self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
+                           batch_idx: int) -> None:
+        """Stop the count (and read the AdamW state and gradient bytes), or the clock."""
+        from fusion_model.training.live_memory import storage_bytes
+
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            states = [v for state in trainer.optimizers[0].state.values() for v in state.values() if torch.is_tensor(v)]
+            self.record.update(peak_bytes=int(self._mode.peak), optimizer_state_bytes=storage_bytes(states),
+                               gradient_bytes=storage_bytes(p.grad for p in pl_module.parameters()
+                                                            if p.grad is not None),
+                               parameter_bytes=storage_bytes(pl_module.parameters()))
+            self._mode = None
+        elif self._start is not None:
+            self.record["step_seconds"].append(time.perf_counter() - self._start)
+            self._start = None
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Write the record."""
+        atomic_write_json(self.path, self.record)
+
+
 def fit_options(config: SFTExperimentConfig, folder: Path, demo_dir: Path, token_dir: Path, vocab,
-                answer_only: bool) -> list[str]:
+                answer_only: bool, lr: float | None = None, extra: list[str] | None = None,
+                callbacks: list[dict] | None = None, steps: int | None = None) -> list[str]:
     """The `train.py fit` options of one SFT arm: the SFT recipe over the demo's config, the demo's decoder as the
-    start, the demo's architecture (a later --config replaces model.config whole), the experiment's lr and steps."""
-    callbacks = [
+    start, the demo's architecture (a later --config replaces model.config whole), the arm's lr, the steps, and
+    `extra` (the arm's --model.peft / --model.train_only). `callbacks` / `steps` replace the run's own (the peak
+    measurement's short fit)."""
+    steps = config.steps if steps is None else steps
+    callbacks = callbacks if callbacks is not None else [
         {"class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
          "init_args": {"dirpath": str(folder / "checkpoints"), "save_last": True,
-                       "every_n_train_steps": config.steps}},
+                       "every_n_train_steps": steps}},
         {"class_path": "experiments.demo.recorder.LossRecorder", "init_args": {"path": str(folder / "losses.json")}},
         {"class_path": "experiments.sft.TargetCounter", "init_args": {"path": str(folder / "targets.json")}},
     ]
@@ -224,25 +345,28 @@ def fit_options(config: SFTExperimentConfig, folder: Path, demo_dir: Path, token
         f"--model.config.image_offset={vocab.image_offset}", f"--model.config.image_codes={vocab.image_codes}",
         f"--model.init_weights={demo_dir / 'train' / 'model.ckpt'}",
         f"--data.answer_only={'true' if answer_only else 'false'}",
-        f"--model.lr={config.lr}", f"--model.warmup_steps={config.warmup_steps}",
-        f"--seed_everything={config.seed}", f"--trainer.max_steps={config.steps}", "--trainer.max_time=null",
+        f"--model.lr={config.lr if lr is None else lr}", f"--model.warmup_steps={config.warmup_steps}",
+        f"--seed_everything={config.seed}", f"--trainer.max_steps={steps}", "--trainer.max_time=null",
         "--trainer.enable_progress_bar=false",
         f"--trainer.default_root_dir={folder}", f"--trainer.logger.init_args.save_dir={folder}",
         f"--data.train_dir={token_dir}", f"--data.seed={config.seed}",
         f"--data.vocab={demo_dir / 'vocab' / 'tokenizer.json'}",
         f"--data.image_tokenizer={demo_dir / 'tokenizer' / 'model'}",
-        *[f"--trainer.callbacks+={json.dumps(c)}" for c in callbacks], *config.extra_fit,
+        *[f"--trainer.callbacks+={json.dumps(c)}" for c in callbacks], *(extra or []), *config.extra_fit,
     ]
 
 
 def fit_arm(name: str, config: SFTExperimentConfig, out_dir: Path, demo_dir: Path, token_dir: Path, vocab,
-            answer_only: bool, log: Callable[[str], None]) -> tuple[torch.nn.Module, dict]:
-    """Train one SFT arm through `train.py fit` (or reuse a finished one); its decoder and training record."""
+            arm: Arm, log: Callable[[str], None]) -> tuple[torch.nn.Module, dict]:
+    """Train one SFT arm through `train.py fit` (or reuse a finished one); its decoder (LoRA merged) and training
+    record."""
     from fusion_model.checkpoint import load_model
     from fusion_model.cli.fit import fit_from_config
 
     folder = out_dir / name
-    options = fit_options(config, folder, demo_dir, token_dir, vocab, answer_only)
+    answer_only = arm.answer_only
+    options = fit_options(config, folder, demo_dir, token_dir, vocab, answer_only, arm_lr(config, arm),
+                          arm_options(arm))
     saved = folder / "record.json"
     if config.reuse and saved.is_file():
         record = json.loads(saved.read_text())
@@ -251,10 +375,15 @@ def fit_arm(name: str, config: SFTExperimentConfig, out_dir: Path, demo_dir: Pat
             return load_model(record["checkpoint"]).eval(), record
     if folder.exists():
         shutil.rmtree(folder)  # every run starts fresh: the comparison is of fixed step counts
-    log(f"  {name}: {config.steps} steps (loss on {'the answers only' if answer_only else 'every token'}) ...")
+    log(f"  {name}: {config.steps} steps (loss on {'the answers only' if answer_only else 'every token'}, "
+        f"{arm.method}, lr {arm_lr(config, arm):g}) ...")
     cli = fit_from_config(FIT_CONFIG, options)
     module = cli.model.eval()
     model = module.model.eval()
+    if arm.peft:  # the adapter folded into its base: a plain decoder, as `generate` and `convert export` make it
+        from fusion_model.families.adapters import merge_lora
+
+        model = merge_lora(model).eval()
     final = json.loads((folder / "losses.json").read_text())
     counts = json.loads((folder / "targets.json").read_text())
     seq_len = int(cli.datamodule.seq_len)
@@ -277,6 +406,40 @@ def fit_arm(name: str, config: SFTExperimentConfig, out_dir: Path, demo_dir: Pat
     log(f"  {name}: {record['steps']} steps, {record['tokens']:,} tokens ({record['loss_targets']:,} loss targets) "
         f"in {record['seconds']:.0f} s")
     return model, record
+
+
+def measure_arm(name: str, config: SFTExperimentConfig, out_dir: Path, demo_dir: Path, token_dir: Path, vocab,
+                arm: Arm, training: dict, log: Callable[[str], None]) -> dict:
+    """The cost of one training step of an arm's configuration: a short `train.py fit` with the arm's options
+    (PEAK_STEPS steps, `StepPeak` measuring step 1) into `<arm>/peak`; with the run's own seconds per step and
+    AdamW's bytes (2 x 4 B per parameter the optimizer holds, besides the measured state bytes)."""
+    from fusion_model.cli.fit import fit_from_config
+
+    folder = out_dir / name / "peak"
+    saved = out_dir / name / "peak.json"
+    callbacks = [{"class_path": "experiments.sft.StepPeak", "init_args": {"path": str(folder / "peak.json")}}]
+    options = fit_options(config, folder, demo_dir, token_dir, vocab, arm.answer_only, arm_lr(config, arm),
+                          arm_options(arm), callbacks=callbacks, steps=PEAK_STEPS)
+    measured = None
+    if config.reuse and saved.is_file():
+        kept = json.loads(saved.read_text())
+        measured = kept["measured"] if kept.get("options") == options else None
+    if measured is None:
+        if folder.exists():
+            shutil.rmtree(folder)
+        fit_from_config(FIT_CONFIG, options)
+        measured = json.loads((folder / "peak.json").read_text())
+        shutil.rmtree(folder)  # its checkpoints and logs are of no use
+        atomic_write_json(saved, {"options": options, "measured": measured})
+    timed = measured["step_seconds"]
+    cost = {**{k: v for k, v in measured.items() if k != "step_seconds"},
+            "method": arm.method, "lr": arm_lr(config, arm), "peft": arm.peft, "train_only": arm.train_only,
+            "optimizer_bytes": 8 * measured["optimizer_parameters"],
+            "seconds_per_step": training["seconds"] / max(training["steps"], 1),
+            "timed_step_seconds": timed, "timed_seconds_per_step": float(np.median(timed)) if timed else None}
+    log(f"  {name}: {cost['trainable_parameters']:,} trainable parameters, peak {cost['peak_bytes'] / 2**20:.2f} MiB "
+        f"live tensors, {cost['seconds_per_step']:.3f} s/step in the run")
+    return cost
 
 
 # ---------------------------------------------------------------- answering and scoring
@@ -470,11 +633,20 @@ def run(config: SFTExperimentConfig, log: Callable[[str], None] = print, demo: D
     log("[3/5] training (train.py fit --config configs/fusion/demo.yaml --config configs/fusion/post/sft.yaml)")
     models: dict[str, torch.nn.Module] = {"pretrained": load_decoder(demo_dir)}
     training: dict[str, dict] = {}
-    for name, arm in ARMS.items():
+    unknown = sorted(set(config.arms or ()) - set(ARMS))
+    if unknown:
+        raise ValueError(f"--arms {unknown}: the arms are {list(ARMS)}")
+    chosen = {name: arm for name, arm in ARMS.items()
+              if arm is None or config.arms is None or name in config.arms}
+    for name, arm in chosen.items():
         if arm is not None:
-            split, answer_only = arm
-            models[name], training[name] = fit_arm(name, config, out_dir, demo_dir, shards[split], vocab,
-                                                   answer_only, log)
+            models[name], training[name] = fit_arm(name, config, out_dir, demo_dir, shards[arm.split], vocab, arm,
+                                                   log)
+    log("       one step of each arm's configuration: peak of live tensor bytes (fusion_model/training/live_memory.py's LivePeak)")
+    for name, arm in chosen.items():
+        if arm is not None:
+            training[name]["cost"] = measure_arm(name, config, out_dir, demo_dir, shards[arm.split], vocab, arm,
+                                                 training[name], log)
 
     log("[4/5] answering the held-out conversations")
     results: dict[str, dict] = {}
@@ -485,7 +657,7 @@ def run(config: SFTExperimentConfig, log: Callable[[str], None] = print, demo: D
 
     log("[5/5] results")
     record = {"config": dataclasses.asdict(config), "demo_dir": str(demo_dir), "out_dir": str(out_dir),
-              "sft_config": str(SFT_CONFIG.relative_to(REPO_ROOT)), "arms": {k: v and list(v) for k, v in ARMS.items()},
+              "sft_config": str(SFT_CONFIG.relative_to(REPO_ROOT)), "arms": {k: v and v._asdict() for k, v in chosen.items()},
               "training": training, "results": results,
               "data": {"train": counts_of(chat.folder, "train"), "train_unbalanced": counts_of(chat.folder,
                                                                                                "train_unbalanced"),
@@ -540,6 +712,21 @@ def results_table(record: dict) -> str:
             continue
         lines.append(f"| {arm} | {t['steps']} | {t['tokens']:,} | {t['loss_targets']:,} | {t['flops']:.3g} | "
                      f"{t['tokens_per_second']:,.0f} | {t['seconds']:.0f} | {r['generated_tokens_per_second']:,.0f} |")
+    lines += ["", "| arm | trains | lr | trainable parameters | AdamW bytes (8 B x parameters held) | AdamW state "
+              "bytes (measured) | gradient bytes | peak live tensor bytes (one step) | s/step (run) | s/step (timed "
+              "again) |", "|---" * 10 + "|"]
+    for arm in results:
+        c = (training.get(arm) or {}).get("cost")
+        if c is None:
+            lines.append(f"| {arm} | nothing | - | 0 | 0 | 0 | 0 | - | - | - |")
+            continue
+        timed = "-" if c["timed_seconds_per_step"] is None else f"{c['timed_seconds_per_step']:.3f}"
+        what = {"full": "every weight", "head": "head's image-code rows",
+                "lora": "LoRA r{rank} alpha {alpha:g} ({targets})".format(**c["peft"]) if c["peft"] else "LoRA"}
+        lines.append(f"| {arm} | {what[c['method']]} | {c['lr']:g} | {c['trainable_parameters']:,} of "
+                     f"{c['total_parameters']:,} | {c['optimizer_bytes']:,} | {c['optimizer_state_bytes']:,} | "
+                     f"{c['gradient_bytes']:,} | {c['peak_bytes']:,} ({c['peak_bytes'] / 2**20:.2f} MiB) | "
+                     f"{c['seconds_per_step']:.3f} | {timed} |")
     data, config = record["data"], record["config"]
     held = data["held_out"]
     lines += ["", f"Held-out conversations per category: {held}; training conversations: balanced {data['train']}, "
@@ -547,11 +734,16 @@ def results_table(record: dict) -> str:
               f"(no image), image answers by the demo's classifier reading the answer's first image (interleaved: "
               f"the image; 'interleaved sentence': the sentence after it names the digit). Forgetting: mean "
               f"next-token loss on {data['held_out_pretraining_documents']} pretraining-style documents of held-out "
-              f"digits. Every SFT arm: {config['steps']} steps at lr {config['lr']:g} (configs/fusion/post/sft.yaml: "
+              f"digits. Every SFT arm: {config['steps']} steps at the lr in the last table (configs/fusion/post/sft.yaml: "
               f"1e-5{'' if config['lr'] == 1e-5 else ', overridden for the small demo decoder'}). Training FLOPs = "
               f"FLOPs/token x real (non-padding) positions run (the answer-only loss costs the same forward and "
               f"backward). {record['minutes']:.1f} minutes on "
-              f"{record['threads']} thread(s)."]
+              f"{record['threads']} thread(s). Cost of a step: a {PEAK_STEPS}-step `train.py fit` of each arm's "
+              f"options; its step 1 (after AdamW's states exist) under fusion_model/training/live_memory.py's LivePeak (the peak "
+              f"of live tensor storages: parameters, gradients, AdamW states, batch, activations; CPU fp32), steps "
+              f"2-{PEAK_STEPS - 1} timed ('timed again': their median, all arms back to back); 's/step (run)': the "
+              f"arm's training seconds / steps. Head-only's trainable parameters are the head's image-code rows; "
+              f"AdamW holds the whole head matrix (its text rows' gradient is zeroed), so its bytes count every row."]
     return "\n".join(lines) + "\n"
 
 
@@ -618,6 +810,12 @@ def build_parser() -> argparse.ArgumentParser:
                             help=f"default: {getattr(defaults, name)}")
     parser.add_argument("--lr", type=float, default=None, help=f"SFT learning rate (default: {defaults.lr}; "
                         "configs/fusion/post/sft.yaml's 1e-5 is for billions of parameters)")
+    parser.add_argument("--lora-lr", type=float, default=None,
+                        help=f"the LoRA arms' learning rate (default: {defaults.lora_lr})")
+    parser.add_argument("--head-lr", type=float, default=None,
+                        help="head_only's learning rate (default: --lr's)")
+    parser.add_argument("--arms", default=None, help=f"comma-separated SFT arms to train (default: all: "
+                        f"{','.join(k for k, v in ARMS.items() if v)}); the pretrained decoder always answers")
     parser.add_argument("--reuse", action="store_true",
                         help="keep arms already trained with the same options (resume an interrupted experiment)")
     parser.add_argument("--threads", default="auto", help="torch threads: auto = the cores other processes leave idle")
@@ -628,7 +826,9 @@ def config_from_args(args: argparse.Namespace) -> SFTExperimentConfig:
     """The experiment's settings: the full run's or the smoke mode's, with the options given replacing theirs."""
     base = smoke_config() if args.smoke else SFTExperimentConfig()
     given = {"demo": args.demo, "demo_dir": args.demo_dir, "out_dir": args.out, "lr": args.lr,
+             "lora_lr": args.lora_lr, "head_lr": args.head_lr,
              "reuse": args.reuse or None,
+             "arms": [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None,
              **{name: getattr(args, name) for name in ("steps", "train_conversations", "held_out_per_category",
                                                        "warmup_steps", "held_out_documents", "samples_shown",
                                                        "seed")}}

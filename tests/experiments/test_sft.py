@@ -65,6 +65,50 @@ def test_every_arm_trains_the_same_steps_and_the_same_data_order(smoke):
     assert any(o.startswith("--model.init_weights=") for o in answer_only["options"])
 
 
+def test_peft_arms_train_fewer_parameters_on_the_same_batches(smoke, demo_with_decoder):
+    from fusion_model.checkpoint import load_model
+
+    settings, record = smoke
+    training = record["training"]
+    full = training["answer_only"]["cost"]
+    lora4, lora16, head = (training[name]["cost"] for name in ("lora_r4", "lora_r16", "head_only"))
+    # the same shards and seed as answer_only: the same batches in the same order
+    for name in ("lora_r4", "lora_r16", "head_only"):
+        assert training[name]["tokens"] == training["answer_only"]["tokens"], name
+        assert training[name]["loss_targets"] == training["answer_only"]["loss_targets"], name
+    assert full["method"] == "full" and full["trainable_parameters"] == full["total_parameters"]
+    assert (lora4["method"], lora4["peft"]["rank"], lora4["peft"]["alpha"]) == ("lora", 4, 8)
+    assert 0 < lora4["trainable_parameters"] < lora16["trainable_parameters"] < full["trainable_parameters"]
+    assert lora4["lr"] == lora16["lr"] == settings.lora_lr and full["lr"] == settings.lr
+    # head-only: the image-code rows of the head, image_codes x dim
+    model = load_model(demo_with_decoder[1] / "train" / "model.ckpt")
+    config = model.config
+    assert head["method"] == "head" and head["trainable_parameters"] == config.image_codes * config.dim
+    # AdamW: 2 x 4 B per parameter it holds (the head-only arm's whole head matrix), plus a step count per tensor
+    for name, cost in training.items():
+        cost = cost["cost"]
+        assert cost["optimizer_bytes"] == 8 * cost["optimizer_parameters"], name
+        assert cost["optimizer_bytes"] <= cost["optimizer_state_bytes"] < cost["optimizer_bytes"] + 4096, name
+        assert cost["peak_bytes"] >= cost["parameter_bytes"] + cost["optimizer_state_bytes"] > 0, name
+        assert cost["seconds_per_step"] > 0 and len(cost["timed_step_seconds"]) == experiment.PEAK_STEPS - 2
+    assert head["optimizer_parameters"] == config.vocab_size * config.dim
+    # the frozen decoder's optimizer state and gradients are what the PEFT arms save
+    assert all(full["peak_bytes"] > c["peak_bytes"] for c in (lora4, lora16, head))
+    # head-only moved the head's image-code rows and nothing else (the LoRA arms' saved decoders are merged)
+    tuned = load_model(training["head_only"]["checkpoint"]).state_dict()
+    for key, before in model.state_dict().items():
+        rows = slice(config.image_offset, config.image_offset + config.image_codes)
+        if key == "head.weight":
+            assert torch.equal(tuned[key][: config.image_offset], before[: config.image_offset])
+            assert torch.equal(tuned[key][rows.stop :], before[rows.stop :])
+            assert not torch.equal(tuned[key][rows], before[rows])
+        else:
+            assert torch.equal(tuned[key], before), key
+    merged = load_model(training["lora_r4"]["checkpoint"]).state_dict()
+    assert set(merged) == set(model.state_dict())
+    assert not torch.equal(merged["layers.0.attn.qkv.weight"], model.state_dict()["layers.0.attn.qkv.weight"])
+
+
 def test_scores_cover_every_category_and_forgetting_is_measured(smoke):
     settings, record = smoke
     for name, r in record["results"].items():
@@ -144,6 +188,13 @@ def test_command_line_options():
     assert (smoke.demo, smoke.out_dir, smoke.steps, smoke.lr) == ("smoke", "runs/sft-smoke", 3, 1e-3)
     full = experiment.config_from_args(parser.parse_args([]))
     assert (full.demo, full.out_dir) == ("full", "runs/sft")
+    assert (full.lr, full.lora_lr, full.head_lr) == (3e-4, 1e-3, None)
+    assert full.arms is None
+    lr = experiment.config_from_args(parser.parse_args(["--lora-lr", "5e-4", "--head-lr", "1e-3", "--arms",
+                                                        "lora_r4, head_only"]))
+    assert lr.arms == ["lora_r4", "head_only"]
+    assert (experiment.arm_lr(lr, experiment.ARMS["lora_r16"]), experiment.arm_lr(lr, experiment.ARMS["head_only"]),
+            experiment.arm_lr(lr, experiment.ARMS["answer_only"])) == (5e-4, 1e-3, 3e-4)
     from experiments.run import EXPERIMENTS
 
     assert EXPERIMENTS["sft"][0] == "experiments.sft"
