@@ -123,6 +123,8 @@ def check_before_fit(config: Any) -> MemoryPlan | None:
     device_memory_bytes(device_kind(config.trainer), gigabytes)  # a bad --plan.device_memory is bad input
     try:
         plan, source = plan_of(config)
+    except ValueError:  # a config the module refuses too (e.g. a family's check): that refusal is the one line
+        return None
     except Exception as error:  # noqa: BLE001 - the plan is advice: it never stops a run the module itself accepts
         print(f"fit: no memory plan for this config ({type(error).__name__}: {error})", file=sys.stderr, flush=True)
         return None
