@@ -14,7 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "vocab": ("fusion_model.cli.vocab", "train the BPE text vocabulary and merge it with the image codes"),
     "tokenizer": ("fusion_model.cli.tokenizer", "train / validate / export the VQ image tokenizer (LightningCLI)"),
     "shards": ("fusion_model.cli.shards", "write raw webdataset shards and pre-tokenize them into token shards"),
-    "fit": ("fusion_model.cli.fit", "pretrain the fused decoder on token shards (LightningCLI)"),
+    "fit": ("fusion_model.cli.fit", "pretrain or fine-tune the fused decoder on token shards (LightningCLI)"),
     "plan": ("fusion_model.cli.plan", "the memory a fit run needs per device, before anything is allocated"),
     "generate": ("fusion_model.cli.generate", "sample mixed text-and-image sequences from a checkpoint"),
     "convert": ("fusion_model.cli.convert", "import from / export to transformers' Chameleon format"),
