@@ -140,8 +140,9 @@ def generation_prompt(vocab: Any, turns: Sequence[Turn], **grids: Any) -> list[i
 
 def assistant_mask(ids: Sequence[int], sep_id: int, eos_id: int) -> list[int]:
     """The assistant positions of a conversation's ids (`<s>` first), read from the markers alone: a turn ends at
-    `<sep>` or `</s>`, and the turns that end at `</s>` are the assistant's, their `</s>` included (what `shards
-    verify` checks a stored mask against); `<s>` and anything after the last end of turn are not."""
+    `<sep>` or `</s>`, and the turns that end at `</s>` are the assistant's, their `</s>` included; `<s>` and anything
+    after the last end of turn are not. A reference for tests: `shards verify` checks stored masks with the
+    vectorised rule of `data_shards.target_mask.first_mismatch`, which also covers other trained roles."""
     mask = [0] * len(ids)
     start = 1
     for index in range(1, len(ids)):
