@@ -20,10 +20,10 @@ import numpy as np
 import torch
 
 from bench.harness import paired_result, time_rounds, write_result
+from evaluation.frechet import frechet_distance, per_group_diversity
 from experiments.demo.bookkeeping import read_marker
 from experiments.demo.datasets import caption_prompt, to_model_images
 from experiments.demo.evaluate import _image_codes, image_sampling
-from experiments.demo.metrics import frechet_distance, per_group_diversity
 from experiments.demo.settings import GenerateSettings, load_config
 from experiments.demo.stages import digits_for, load_decoder, load_image_tokenizer, load_vocab
 from fusion_model.sampling import generate_ids, speculative
@@ -56,7 +56,7 @@ def missing_run_message(run_dir: Path) -> str | None:
 def load_run(run_dir: Path):
     """(decoder, vocab, image tokenizer, classifier) of a finished demo run, through the demo's own loaders."""
     from common.files import load_checkpoint_file
-    from experiments.demo.classifier import DigitClassifier
+    from evaluation.digit_classifier import DigitClassifier
 
     message = missing_run_message(run_dir)
     if message is not None:
@@ -69,7 +69,7 @@ def load_run(run_dir: Path):
 def build_smoke_run(directory: Path) -> Path:
     """An untrained tiny decoder, vocabulary, image tokenizer (4x4 codes) and classifier in the demo run layout."""
     from common.files import atomic_torch_save
-    from experiments.demo.classifier import DigitClassifier
+    from evaluation.digit_classifier import DigitClassifier
     from experiments.demo.datasets import caption_texts
     from fusion_model.checkpoint import save_model
     from fusion_model.config import FusionConfig

@@ -277,8 +277,8 @@ def late_option(kind: str, stage: int, config: ExperimentConfig, init_connector:
 def run(config: ExperimentConfig, log: Callable[[str], None] = print) -> dict:
     """Train the blind language model and the four models, evaluate each; returns (and writes) the results."""
     from common.files import load_checkpoint_file
+    from evaluation.digit_classifier import DigitClassifier
     from experiments.demo import evaluate
-    from experiments.demo.classifier import DigitClassifier
     from fusion_model.checkpoint import save_model
 
     demo = load_config(config.demo)

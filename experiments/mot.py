@@ -335,8 +335,8 @@ def run(config: MoTExperimentConfig, log: Callable[[str], None] = print, demo: D
     `demo`: the settings the demo in `demo_dir` ran with (default: the preset's); its held-out digits must be the
     ones the demo held out, which the shards stage's key checks."""
     from common.files import load_checkpoint_file
+    from evaluation.digit_classifier import DigitClassifier
     from experiments.demo.bookkeeping import read_marker, stage_key
-    from experiments.demo.classifier import DigitClassifier
 
     if len(config.steps) != len(config.sizes):
         raise ValueError(f"--steps gives {len(config.steps)} step counts for {len(config.sizes)} sizes")

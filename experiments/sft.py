@@ -596,7 +596,7 @@ def run(config: SFTExperimentConfig, log: Callable[[str], None] = print, demo: D
     `demo`: the settings the demo in `demo_dir` ran with (default: the preset's): its held-out digits must be the
     ones it held out."""
     from common.files import load_checkpoint_file
-    from experiments.demo.classifier import DigitClassifier
+    from evaluation.digit_classifier import DigitClassifier
     from experiments.demo.stages import load_decoder
 
     demo = demo or load_config(config.demo)

@@ -32,8 +32,8 @@ import numpy as np
 import torch
 
 from common.files import atomic_write_json, atomic_write_text
+from evaluation.frechet import frechet_distance, per_group_diversity
 from experiments.demo.datasets import caption_prompt, parse_digit, to_model_images
-from experiments.demo.metrics import frechet_distance, per_group_diversity
 from experiments.demo.settings import DemoConfig, load_config
 from experiments.demo.stages import (
     digits_for,
@@ -383,8 +383,8 @@ def run(config: TransfusionExperimentConfig, log: Callable[[str], None] = print,
     """Train both families at every size x budget (and the causal ablation), score each; returns (and writes) the
     results. `demo`: the settings the demo in `demo_dir` ran with (default: the preset's)."""
     from common.files import load_checkpoint_file
+    from evaluation.digit_classifier import DigitClassifier
     from experiments.demo.bookkeeping import read_marker, stage_key
-    from experiments.demo.classifier import DigitClassifier
     from experiments.mot import held_out_shards
 
     unknown = [s for s in (*config.sizes, config.ablation_size) if s not in SIZES]

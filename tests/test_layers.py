@@ -11,9 +11,10 @@ is every string that names a project module (`"fusion_model.cli.fit"`, `"data_sh
     fusion_model.families (the protocol, the registry, one folder per family)  6
     fusion_model.training (Lightning module, callbacks, checkpoint IO)      7
     fusion_model.cli (every pipeline subcommand)                            8
-    experiments (the demo and the experiments, run from a checkout)         9
+    evaluation (the suites of `train.py eval`: checkers, figures, sample pages)  9
+    experiments (the demo and the experiments, run from a checkout)         10
 
-Besides the order: data_shards is wired to the model only by the command line (cli, experiments); a family's folder
+Besides the order: data_shards is wired to the model only by the command line (cli, evaluation, experiments); a family's folder
 never imports another family's folder (what two families share moves down into the protocol or the shared layers);
 the protocol modules (base, loading) import no family folder; training and cli import the families' registry and
 protocol only, never a family's own modules (a family is chosen by name, through the registry).
@@ -29,7 +30,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = ("common", "tokenizer", "data_shards", "fusion_model", "experiments")
+PACKAGES = ("common", "tokenizer", "data_shards", "fusion_model", "evaluation", "experiments")
 # a string that may name a project module, optionally with an attribute: `pkg.module`, `pkg.module.Class`,
 # `pkg.module:function`
 MODULE_STRING = re.compile(rf"^({'|'.join(PACKAGES)})(\.\w+)+(:\w+)?$")
@@ -45,7 +46,7 @@ def layer_of(module: str) -> tuple[int, str]:
     """(rank, name) of the layer a dotted module name belongs to."""
     parts = module.split(".")
     top = {"common": (0, "common"), "tokenizer": (1, "tokenizer"), "data_shards": (2, "data_shards"),
-           "experiments": (9, "experiments")}
+           "evaluation": (9, "evaluation"), "experiments": (10, "experiments")}
     if parts[0] in top:
         return top[parts[0]]
     if parts[0] == "fusion_model":
@@ -72,7 +73,7 @@ def violation(importer: str, imported: str) -> str | None:
         return f"{importer} ({name_a}) imports {imported} from the higher layer {name_b}"
     if rank_a == rank_b and name_a != name_b:
         return f"{importer} ({name_a}) imports its sibling layer {name_b} ({imported})"
-    if name_b == "data_shards" and name_a not in ("data_shards", "cli", "experiments"):
+    if name_b == "data_shards" and name_a not in ("data_shards", "cli", "evaluation", "experiments"):
         return f"{importer} ({name_a}) imports {imported}: the data module is wired to the model by cli/, not imported"
     folder_a, folder_b = family_folder(importer), family_folder(imported)
     if folder_b is not None and folder_a not in (None, folder_b):

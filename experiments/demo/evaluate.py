@@ -7,6 +7,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from evaluation.frechet import frechet_distance, per_group_diversity
 from experiments.demo.datasets import (
     CALCULATE,
     EQUALS,
@@ -16,7 +17,6 @@ from experiments.demo.datasets import (
     parse_digit,
     pick_by_label,
 )
-from experiments.demo.metrics import frechet_distance, per_group_diversity
 from experiments.demo.settings import GenerateSettings
 from fusion_model.sampling import SamplingConfig, generate_ids
 from fusion_model.sampling.generate import split_segments

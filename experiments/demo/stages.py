@@ -221,8 +221,8 @@ def run_generate(config: DemoConfig, out_dir: Path, progress: bool = True) -> di
     """Train the independent classifier on real digits, then generate and score on held-out data."""
     from tqdm.auto import tqdm
 
+    from evaluation.digit_classifier import train_classifier
     from experiments.demo import evaluate
-    from experiments.demo.classifier import train_classifier
 
     settings, size, seed = config.generate, config.data.image_size, config.seed
     digits = digits_for(config)

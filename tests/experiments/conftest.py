@@ -27,8 +27,8 @@ def finished_demo(tmp_path_factory):
     """A demo folder with what the experiments reuse, and the settings it was made with (built once; the
     experiments write only into their own output folders)."""
     from common.files import atomic_torch_save
+    from evaluation.digit_classifier import train_classifier
     from experiments.demo import pipeline
-    from experiments.demo.classifier import train_classifier
     from experiments.demo.datasets import to_model_images
     from experiments.demo.settings import load_config
     from experiments.demo.stages import digits_for

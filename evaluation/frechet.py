@@ -1,4 +1,6 @@
-"""Distribution-level scores for generated digits: Fréchet distance to real digits and per-caption diversity."""
+"""Distribution-level scores of generated images in a classifier's feature space: Fréchet distance to real images
+and per-caption diversity. `frechet_distance` is the figure every experiment reports; `torchmetrics_frechet_distance`
+is torchmetrics' on the same features, kept as a cross-check (docs/evaluation.md says where the two agree)."""
 
 from __future__ import annotations
 
@@ -61,3 +63,34 @@ def per_group_diversity(features: np.ndarray | torch.Tensor, groups: np.ndarray 
     if not spreads:
         raise ValueError("no group has two rows to compare")
     return float(np.mean(spreads))
+
+
+class _GivenFeatures(torch.nn.Module):
+    """The identity as torchmetrics' custom feature extractor: `update` is handed the features themselves."""
+
+    def __init__(self, num_features: int) -> None:
+        super().__init__()
+        self.num_features = num_features  # read by FrechetInceptionDistance instead of a dummy forward
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return features
+
+
+def torchmetrics_frechet_distance(features_a: np.ndarray | torch.Tensor,
+                                  features_b: np.ndarray | torch.Tensor) -> float:
+    """torchmetrics' `FrechetInceptionDistance` between two (N, D) feature sets, with the identity as its feature
+    module and the features in float64: a cross-check of `frechet_distance`, not the reported figure.
+
+    It sums features and outer products in float64, then takes Tr((S_a S_b)^(1/2)) as the real part of the square
+    roots of the general (non-symmetric) eigenvalues of S_a S_b. Needs torchmetrics (the `dev` extra; optional).
+    """
+    from torchmetrics.image.fid import FrechetInceptionDistance
+
+    a, b = _as_float64(features_a), _as_float64(features_b)
+    if a.shape[1] != b.shape[1]:
+        raise ValueError(f"feature dimensions differ: {a.shape[1]} vs {b.shape[1]}")
+    metric = FrechetInceptionDistance(feature=_GivenFeatures(a.shape[1]))
+    # float64 in: its result is cast back to the features' dtype, so float32 features would round it
+    metric.update(torch.from_numpy(a), real=False)
+    metric.update(torch.from_numpy(b), real=True)
+    return float(metric.compute())
