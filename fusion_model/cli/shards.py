@@ -47,9 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "\"content\": str or [{\"type\": \"text\", \"text\": ...}, {\"type\": \"image\", "
                             "\"path\": ...}]}]} per line (image paths relative to the file's folder). A structural "
                             "error refuses the run naming file and line; a missing image skips its conversation")
-    write.add_argument("--demo", action="append", default=[], choices=["digits", "photos", "text"],
+    write.add_argument("--demo", action="append", default=[], choices=["digits", "photos", "text", "scenes"],
                        help="built-in offline demo data: captioned MNIST digits, scikit-image photos, "
-                            "KJV English text (repeatable)")
+                            "KJV English text, the scene world (data_shards/scenes.py: captions, questions, edits) (repeatable)")
     write.add_argument("--emoji-dir", default=None,
                        help="an unpacked npm emoji-datasource-twitter package (named 64x64 emoji)")
     write.add_argument("--demo-limit", type=int, default=None, help="at most this many documents per demo source")
@@ -170,7 +170,8 @@ def _write(args: argparse.Namespace) -> int:
     if args.chat:  # every file's structure is checked here, before anything is written
         streams.append(sources.chat_jsonl(args.chat))
     demos = {"digits": lambda: sources.demo_digits(args.demo_limit), "photos": sources.demo_photos,
-             "text": lambda: sources.demo_text(limit=args.demo_limit)}
+             "text": lambda: sources.demo_text(limit=args.demo_limit),
+             "scenes": lambda: sources.demo_scenes(args.demo_limit)}
     streams += [itertools.islice(demos[name](), args.demo_limit) for name in args.demo]
     if args.emoji_dir:
         streams.append(itertools.islice(sources.demo_emoji(args.emoji_dir), args.demo_limit))

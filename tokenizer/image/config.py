@@ -1,5 +1,5 @@
-"""The image tokenizer's configuration: one dataclass and named presets (chameleon, demo-64, photos-64, small-128;
-kl-demo-64 and kl-f8 for the continuous tokenizer)."""
+"""The image tokenizer's configuration: one dataclass and named presets (chameleon, demo-64, photos-64, scenes-64,
+small-128; kl-demo-64, kl-scenes-64 and kl-f8 for the continuous tokenizer)."""
 
 from __future__ import annotations
 
@@ -216,19 +216,38 @@ _KL_F8: dict[str, Any] = {
     "embed_dim": 8,
 }
 
+# photos at 64 px -> 8x8 codes (8 px per code): 16 codes cannot hold a photo (19.7 dB after 15 CPU-minutes at
+# 4x4, under a flat mean colour's 20.0), 64 reach 21.3; one level fewer than demo-64, the same cheap top levels
+_PHOTOS_64: dict[str, Any] = {**_DEMO_64, "channel_multiplier": (1, 2, 4, 8), "num_res_blocks": (0, 0, 0, 2),
+                              "decoder_res_blocks": (0, 0, 0, 2)}
+
+# The scene world (data_shards/scenes.py): photos-64's layout, 8x8 codes of 8 px, so an object of 16-24 px is at
+# least 2x2 codes. An 8-px patch of a scene is black, one of 4 flat colours, or an edge of one of 3 shapes at some
+# sub-code offset: a few hundred distinct patches at most, so 256 codes hold them with every code in use (a larger
+# codebook leaves codes dead and spreads the decoder's image-code softmax over unused ids).
+_SCENES_64: dict[str, Any] = {**_PHOTOS_64, "codebook_size": 256}
+
+# The continuous tokenizer for the scene world (Transfusion): scenes-64's encoder and decoder with kl-demo-64's
+# 8-channel Gaussian in place of the codebook; 8x8 latents (64 patches of 1x1, as many as scenes-64's codes).
+_KL_SCENES_64: dict[str, Any] = {
+    **{k: v for k, v in _PHOTOS_64.items() if k not in ("codebook_size", "quantizer", "kmeans_init",
+                                                        "dead_code_threshold")},
+    "bottleneck": "kl",
+    "embed_dim": 8,
+}
+
 # Each preset names only the fields it changes (from the dataclass defaults, or from the preset it derives
 # from); configs/tokenizer/*.yaml name a preset and add only their overrides.
 PRESETS: dict[str, dict[str, Any]] = {
     # transformers' ChameleonVQVAEConfig defaults: 512 px -> 32x32 codes, codebook 8192 x 256.
     "chameleon": {},
     "demo-64": _DEMO_64,
-    # photos at 64 px -> 8x8 codes (8 px per code): 16 codes cannot hold a photo (19.7 dB after 15 CPU-minutes at
-    # 4x4, under a flat mean colour's 20.0), 64 reach 21.3; one level fewer than demo-64, the same cheap top levels
-    "photos-64": {**_DEMO_64, "channel_multiplier": (1, 2, 4, 8), "num_res_blocks": (0, 0, 0, 2),
-                  "decoder_res_blocks": (0, 0, 0, 2)},
+    "photos-64": _PHOTOS_64,
+    "scenes-64": _SCENES_64,
     # small photos at 128 px -> 8x8 codes, for CPU training runs on real photos: the demo-64 network
     # (convolutions do not grow with resolution, compute grows 4x) with a codebook twice as large.
     "small-128": {**_DEMO_64, "image_size": 128, "codebook_size": 1024},
     "kl-demo-64": _KL_DEMO_64,
+    "kl-scenes-64": _KL_SCENES_64,
     "kl-f8": _KL_F8,
 }
