@@ -9,6 +9,8 @@ from fusion_model import cli
 # cli's table (vocab ... convert) followed by this layer's commands, in the order `--help` lists them.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     **cli.SUBCOMMANDS,
+    "eval": ("evaluation.cli", "score a checkpoint of any family on a named suite (scenes, digits): results.json "
+                               "and a sample page"),
     "demo": ("experiments.demo.pipeline", "run the end-to-end demo on built-in offline data, with a report"),
     # the experiments' own registry names them: a new experiment is one module and one line there
     "experiment": ("experiments.run",

@@ -172,6 +172,8 @@ class Family(ABC):
     # the settings `generate` reads: SamplingConfig or a subclass with the family's own fields (`train.py generate`
     # makes one option per field, from the checkpoint's family)
     sampling_config: ClassVar[type[SamplingConfig]] = SamplingConfig
+    # whether `generate` can write images (what `train.py eval` asks before scoring generation)
+    writes_images: ClassVar[bool] = True
 
     def __init__(self, config: FusionConfig, options: Any = None, losses: LossSettings | None = None) -> None:
         if options is None:

@@ -29,6 +29,7 @@ class LateFusionFamily(Family):
 
     kind = ""
     batch_keys = ("image_features",)
+    writes_images = False  # a connector reads images; the decoder writes text only
     Options = LateFusionConfig
 
     def __init__(self, config: FusionConfig, options: Any = None, losses: LossSettings | None = None) -> None:
