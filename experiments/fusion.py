@@ -221,6 +221,35 @@ def blind_shards(config: ExperimentConfig, token_dir: Path, out_dir: Path, vocab
     return folder
 
 
+# ---------------------------------------------------------------- scoring (train.py eval --suite digits)
+
+
+def score_digits(checkpoint: str | Path, demo: DemoConfig, demo_dir: Path, out: Path | None, *, seed: int,
+                 parts: str, media_tokenizer: str | Path | None = None, images_per_caption: int | None = None,
+                 understanding_examples: int | None = None, denoising_steps: int = 50,
+                 batch_size: int = 100) -> dict:
+    """`evaluation.run.evaluate(checkpoint, "digits")`, as `train.py eval --suite digits` scores any family's
+    checkpoint through its own `generate`: the demo's image sampling (temperature, top-k, guidance), its held-out
+    split and classifier, `images_per_caption` / `understanding_examples` (None: the demo's), `parts` of the suite;
+    the image tokenizer is the demo's VQ bundle unless given. Returns results.json's content (written to `out`
+    with the sample page when given)."""
+    from evaluation.base import EvalSettings
+    from evaluation.digits import DigitOptions
+    from evaluation.run import evaluate
+
+    g = demo.generate
+    settings = EvalSettings(seed=seed, temperature=g.temperature, top_k=g.top_k, cfg_scale=g.cfg_scale,
+                            denoising_steps=denoising_steps,
+                            samples_per_prompt=images_per_caption or g.images_per_caption,
+                            understanding_items=min(understanding_examples or g.understanding_examples,
+                                                    demo.data.held_out),
+                            batch_size=batch_size)
+    options = DigitOptions(demo_dir=str(demo_dir), held_out=demo.data.held_out, split_seed=demo.seed, parts=parts)
+    return evaluate(checkpoint, "digits", vocab=demo_dir / "vocab" / "tokenizer.json",
+                    media_tokenizer=media_tokenizer or demo_dir / "tokenizer" / "model", out=out, settings=settings,
+                    options=options, progress=lambda line: None)
+
+
 # ---------------------------------------------------------------- training runs (all through train.py fit)
 
 
@@ -276,9 +305,6 @@ def late_option(kind: str, stage: int, config: ExperimentConfig, init_connector:
 
 def run(config: ExperimentConfig, log: Callable[[str], None] = print) -> dict:
     """Train the blind language model and the four models, evaluate each; returns (and writes) the results."""
-    from common.files import load_checkpoint_file
-    from evaluation.digit_classifier import DigitClassifier
-    from experiments.demo import evaluate
     from fusion_model.checkpoint import save_model
 
     demo = load_config(config.demo)
@@ -373,14 +399,12 @@ def run(config: ExperimentConfig, log: Callable[[str], None] = print) -> dict:
         }
         log(f"  {kind}: understanding {accuracy:.1%}, few-shot "
             + " / ".join(f"{k}: {v:.1%}" for k, v in few_shot.items()))
-    classifier = DigitClassifier()
-    classifier.load_state_dict(load_checkpoint_file(demo_dir / "generate" / "classifier.pt"))
-    for kind in EARLY:
-        with torch.no_grad():
-            generated = evaluate.generation(modules[kind].model, vocab, tokenizer, classifier.eval(), demo.generate,
-                                            seed=config.seed)
-        results[kind]["generation_accuracy"] = generated["accuracy"]
-        log(f"  {kind}: generation {generated['accuracy']:.1%} (the late-fusion models cannot draw)")
+    for kind in EARLY:  # the late-fusion families write no images (the digits suite would report None)
+        scored = score_digits(runs[kind]["last_checkpoint"], demo, demo_dir, out_dir / kind / "eval",
+                              seed=config.seed, parts="generation")
+        accuracy = scored["figures"]["generation"]["accuracy"]
+        results[kind]["generation_accuracy"] = accuracy
+        log(f"  {kind}: generation {accuracy:.1%} (the late-fusion models cannot draw)")
 
     log("[4/4] results")
     record = {"config": dataclasses.asdict(config), "demo_dir": str(demo_dir), "results": results,

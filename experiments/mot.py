@@ -43,7 +43,7 @@ from experiments.demo.stages import (
     require_outputs,
     run_experiment_command,
 )
-from experiments.fusion import fit
+from experiments.fusion import fit, score_digits
 
 MODALITIES = ("text", "image")
 # Decoder sizes: FusionConfig fields over the `demo` preset (d 128, 4 layers, 4 heads, FFN 384). Every size keeps
@@ -221,18 +221,15 @@ def step_seconds_in_run(folder: Path) -> float:
     return float(np.median(np.diff(seconds))) if len(seconds) > 1 else float("nan")
 
 
-def evaluate_model(model, vocab, tokenizer, classifier, demo: DemoConfig, test_codes: torch.Tensor,
-                   test_labels: np.ndarray, seed: int) -> dict:
+def evaluate_model(ctx: _Context, checkpoint: str, out: Path) -> dict:
     """Understanding (greedy captions of held-out digits) and generation (digits drawn from captions, read by the
-    independent classifier), as the demo and `experiment fusion` score them."""
-    from experiments.demo import evaluate
-
-    with torch.no_grad():
-        under = evaluate.understanding(model, vocab, test_codes, test_labels)
-        drawn = evaluate.generation(model, vocab, tokenizer, classifier, demo.generate, seed=seed)
+    independent classifier): the digits suite (`experiments.fusion.score_digits`) on the run's checkpoint."""
+    results = score_digits(checkpoint, ctx.demo, ctx.demo_dir, out, seed=ctx.config.seed,
+                           parts="understanding,generation", understanding_examples=ctx.config.understanding_examples)
+    under, drawn = results["figures"]["understanding"], results["figures"]["generation"]
     return {"understanding_accuracy": under["accuracy"], "understanding_count": under["count"],
             "generation_accuracy": drawn["accuracy"], "generation_count": drawn["count"],
-            "sample_captions": under["texts"][:8]}
+            "sample_captions": under["sample_captions"]}
 
 
 def speed(models: dict[str, torch.nn.Module], batch: dict[str, torch.Tensor], rounds: int, steps: int) -> dict:
@@ -278,11 +275,6 @@ class _Context:
     out_dir: Path
     token_dir: Path
     val_dir: Path
-    vocab: object
-    tokenizer: object
-    classifier: object
-    test_codes: torch.Tensor
-    test_labels: np.ndarray
     log: Callable[[str], None]
     modules: dict[str, object] = field(default_factory=dict)
 
@@ -309,8 +301,7 @@ def train_and_score(ctx: _Context, size: str, arm: str, steps: int) -> dict:
     model_config = module.model_config
     seq_len, batch_size = int(module.trainer.datamodule.seq_len), int(module.trainer.datamodule.batch_size)
     curves = read_curves(folder)
-    scores = evaluate_model(model, ctx.vocab, ctx.tokenizer, ctx.classifier, ctx.demo, ctx.test_codes,
-                            ctx.test_labels, config.seed)
+    scores = evaluate_model(ctx, trained["last_checkpoint"], folder / "eval")
     record = {
         **trained, "size": size, "arm": arm, "extra": extra, "eval_every": every,
         "block": model_config.block, "block_options": dict(model_config.block_options),
@@ -334,8 +325,6 @@ def run(config: MoTExperimentConfig, log: Callable[[str], None] = print, demo: D
 
     `demo`: the settings the demo in `demo_dir` ran with (default: the preset's); its held-out digits must be the
     ones the demo held out, which the shards stage's key checks."""
-    from common.files import load_checkpoint_file
-    from evaluation.digit_classifier import DigitClassifier
     from experiments.demo.bookkeeping import read_marker, stage_key
 
     if len(config.steps) != len(config.sizes):
@@ -358,16 +347,8 @@ def run(config: MoTExperimentConfig, log: Callable[[str], None] = print, demo: D
     start = time.perf_counter()
 
     log("[1/4] held-out documents from the demo's held-out digits")
-    vocab, tokenizer = load_vocab(demo_dir), load_image_tokenizer(demo_dir)
     val_dir = held_out_shards(config, demo, demo_dir, out_dir)
-    digits = digits_for(demo)
-    count = min(config.understanding_examples or demo.generate.understanding_examples, len(digits.test_labels))
-    with torch.no_grad():
-        test_codes = tokenizer.encode(to_model_images(digits.test_images[:count], demo.data.image_size))
-    classifier = DigitClassifier()
-    classifier.load_state_dict(load_checkpoint_file(demo_dir / "generate" / "classifier.pt"))
-    ctx = _Context(config, demo, demo_dir, out_dir, demo_dir / "shards" / "tokens", val_dir, vocab, tokenizer,
-                   classifier.eval(), test_codes, digits.test_labels[:count], log)
+    ctx = _Context(config, demo, demo_dir, out_dir, demo_dir / "shards" / "tokens", val_dir, log)
 
     log("[2/4] training (train.py fit, configs/fusion/demo.yaml) and scoring")
     runs: dict[str, dict] = {}

@@ -7,13 +7,15 @@ kl-demo-64: demo-64's encoder/decoder, an 8-channel Gaussian on the same 4x4 gri
 as it is 16 codes) trained on the same digits for the steps the demo's VQ tokenizer ran, at its batch size.
 Both go through `train.py fit --config configs/fusion/demo.yaml` from the same seed, at every size x budget (each
 budget its own run, its own cosine decay); `transfusion_causal` (causal attention inside images, the paper's 0.76B
-ablation) trains at one size and the largest budget. Every run is scored the same way: generation accuracy by the
-demo's independent classifier, Fréchet distance in its penultimate features to held-out digits (with real digits
-and each tokenizer's reconstructions as floors), per-caption diversity, caption accuracy of held-out digits, the
-held-out text loss (documents from the held-out digits), training FLOPs (the family's `flops_per_token` x decoder
-positions trained) and wall time. Chameleon samples through the demo's sampler (its temperature, top-k and
-guidance); Transfusion by guided DDIM over `TransfusionFamily.denoise` with the same guidance scale, captions by
-greedy text after the image's latents at step 0. Needs a finished demo (`python train.py demo`). Writes
+ablation) trains at one size and the largest budget. Every run is scored the same way, by the `digits` suite of
+`train.py eval` (`evaluation.digits`) through its family's own `generate` (the sampler `train.py generate` runs):
+Chameleon's checkpoint with the demo's VQ bundle (its temperature, top-k and guidance), Transfusion's with the
+continuous bundle (guided DDIM over `TransfusionFamily.denoise`, the same guidance scale, `--ddim-steps`).
+Generation accuracy by the demo's independent classifier, Fréchet distance in its penultimate features to held-out
+digits (with real digits and each tokenizer's reconstructions as floors), per-caption diversity, caption accuracy of
+held-out digits, the held-out text loss (the validation documents, from the held-out digits), training FLOPs (the
+family's `flops_per_token` x decoder positions trained) and wall time; each run's suite results and sample page are
+in `<out>/<run>/eval/`. Needs a finished demo (`python train.py demo`). Writes
 `<out>/results.json`, `<out>/results.md` and `<out>/plots/fd_vs_flops.png`.
 """
 
@@ -25,25 +27,23 @@ import dataclasses
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from common.files import atomic_write_json, atomic_write_text
-from evaluation.frechet import frechet_distance, per_group_diversity
-from experiments.demo.datasets import caption_prompt, parse_digit, to_model_images
+from experiments.demo.datasets import to_model_images
 from experiments.demo.settings import DemoConfig, load_config
 from experiments.demo.stages import (
     digits_for,
     experiment_parser,
-    load_image_tokenizer,
     load_vocab,
     require_outputs,
     run_experiment_command,
 )
-from experiments.fusion import fit
+from experiments.fusion import fit, score_digits
 
 # Decoder sizes over the `demo` preset (d 128, 4 layers, 4 heads, FFN 384): head width 32 and FFN ratio 3x kept.
 SIZES: dict[str, dict[str, int]] = {
@@ -170,63 +170,6 @@ def family_options(arm: str) -> dict:
     return dict(ARMS[arm][1])
 
 
-@torch.no_grad()
-def transfusion_images(loaded, vocab, tokenizer, targets: np.ndarray, *, cfg_scale: float, ddim_steps: int,
-                       seed: int) -> tuple[torch.Tensor, int]:
-    """One image per target digit through the sampler users run (the shared loop in image mode, guided DDIM over
-    the family's `denoise`): `<s> caption`, then the forced `<boi>` and the denoised image, decoded by the continuous
-    bundle. Returns (images, rows whose latents were not finite, set to 0)."""
-    from fusion_model.families.transfusion.sampling import DiffusionSamplingConfig, encode_prompt, sample
-
-    family, parts = loaded.family, loaded.parts
-    options = family.options
-    order = np.argsort(targets, kind="stable")
-    out = [None] * len(targets)
-    bad = 0
-    for digit in np.unique(targets):  # one batch per caption: identical prompts, each its own noise
-        rows = order[targets[order] == digit]
-        prompt = encode_prompt([caption_prompt(int(digit))], vocab, None, options.patch_size, options.latent_dim)
-        config = DiffusionSamplingConfig(mode="image", denoising_steps=ddim_steps, cfg_scale=cfg_scale,
-                                         seed=seed + int(digit))
-        result = sample(family, parts, vocab, [prompt] * len(rows), config, tuple(tokenizer.grid_shape))
-        latents = torch.stack([images[0] for images in result.latents])  # (n, C, h, w)
-        finite = torch.isfinite(latents).flatten(1).all(1)
-        bad += int((~finite).sum())
-        latents = torch.where(finite[:, None, None, None], latents, torch.zeros_like(latents))
-        for r, image in zip(rows, tokenizer.decode(latents)):
-            out[r] = image
-    return torch.stack(out), bad
-
-
-@torch.no_grad()
-def transfusion_understanding(loaded, vocab, tokenizer, images: torch.Tensor, labels: np.ndarray, *,
-                              max_new_tokens: int = 16, batch_size: int = 250) -> dict:
-    """Greedy captions of `<s> <boi>` + the image's clean latents + `<eoi>`, through the sampler users run (the shared
-    loop in text mode at temperature 0); scored like `evaluate.understanding`."""
-    from fusion_model.families.transfusion.sampling import DiffusionSamplingConfig, sample
-    from tokenizer.layout import patchify
-    from tokenizer.vocab import LatentImage
-
-    family, parts = loaded.family, loaded.parts
-    options = family.options
-    latents = patchify(tokenizer.encode(images), options.patch_size)  # (N, P, D)
-    prompt = vocab.encode_document([LatentImage(latents.shape[1])], bos=True, eos=False)
-    is_patch = torch.tensor(prompt) == options.image_placeholder_id
-    config = DiffusionSamplingConfig(mode="text", text_temperature=0.0, max_new_tokens=max_new_tokens)
-    texts: list[str] = []
-    for start in range(0, len(latents), batch_size):
-        chunks = []
-        for image in latents[start:start + batch_size]:
-            values = torch.zeros(len(prompt), options.latent_dim)
-            values[is_patch] = image.float()
-            chunks.append((list(prompt), values))
-        for row in sample(family, parts, vocab, chunks, config, None).ids:
-            texts.append(vocab.decode_text([t for t in row if t != vocab.eos_id]).strip())
-    predicted = [parse_digit(t) for t in texts]
-    correct = [p == int(y) for p, y in zip(predicted, labels)]
-    return {"texts": texts, "accuracy": float(np.mean(correct)), "count": len(correct)}
-
-
 def read_validation(folder: Path) -> dict[str, float]:
     """The last validation row's losses from the run's CSV log (`val/...` columns)."""
     [metrics] = sorted((folder / "csv").glob("version_*/metrics.csv"))
@@ -239,15 +182,6 @@ def read_validation(folder: Path) -> dict[str, float]:
     return last
 
 
-def balanced_split(labels: np.ndarray, per_class: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """`per_class` random indices of each label (the floors' sample, sized like one generation pass) and the rest
-    (the reference every Fréchet distance is measured against)."""
-    rng = np.random.default_rng(seed)
-    subset = np.concatenate([rng.choice(np.flatnonzero(labels == d), min(per_class, int((labels == d).sum())),
-                                        replace=False) for d in np.unique(labels)])
-    return np.sort(subset), np.setdiff1d(np.arange(len(labels)), subset)
-
-
 @dataclass
 class _Context:
     """What every run of one experiment shares."""
@@ -258,60 +192,36 @@ class _Context:
     out_dir: Path
     train_dirs: dict[str, Path]  # family -> training shards
     val_dirs: dict[str, Path]  # family -> held-out shards
-    vocab: object
-    tokenizers: dict[str, object]  # family -> image tokenizer
+    tokenizer_dirs: dict[str, Path]  # family -> image tokenizer bundle
     kl_dir: Path
-    classifier: object
-    test_images: torch.Tensor
-    test_codes: torch.Tensor
-    test_labels: np.ndarray
-    reference: np.ndarray  # classifier features of the held-out digits the distances are measured against
     log: Callable[[str], None]
 
 
-def score_images(ctx: _Context, images: torch.Tensor, targets: np.ndarray, complete: np.ndarray) -> dict:
-    """Generation accuracy (incomplete rows count as wrong), Fréchet distance and per-caption diversity of the
-    complete images in the classifier's features."""
-    predicted = ctx.classifier.predict(images).numpy()
-    result = {"generation_accuracy": float(((predicted == targets) & complete).mean()),
-              "generation_count": len(targets), "complete": int(complete.sum()),
-              "frechet_distance": float("nan"), "diversity": float("nan")}
-    if complete.sum() >= 2:
-        features = ctx.classifier.penultimate_features(images[torch.as_tensor(complete)]).numpy()
-        result["frechet_distance"] = frechet_distance(features, ctx.reference)
-        result["diversity"] = per_group_diversity(features, targets[complete])
-    return result
+SUITE_PARTS = "understanding,generation,distribution"  # interleaved sums and the text-only loss: not compared here
 
 
-def evaluate_run(ctx: _Context, loaded, arm: str) -> dict:
-    """Generation (images per caption from every digit's caption) and understanding, the same for both families."""
-    from experiments.demo import evaluate
+def evaluate_run(ctx: _Context, checkpoint: str, arm: str, out: Path) -> dict:
+    """The digits suite (`experiments.fusion.score_digits`) on the run's checkpoint with its family's image tokenizer
+    (the demo's image sampling; Transfusion reads its guidance and `ddim_steps`, Chameleon its temperature and top-k
+    too); the run's generation, distribution and understanding figures, and the suite's results under `eval`."""
+    family, config = ARMS[arm][0], ctx.config
+    results = score_digits(checkpoint, ctx.demo, ctx.demo_dir, out, seed=config.seed, parts=SUITE_PARTS,
+                           media_tokenizer=ctx.tokenizer_dirs[family], images_per_caption=config.images_per_caption,
+                           understanding_examples=config.understanding_examples, denoising_steps=config.ddim_steps)
+    figures, settings = results["figures"], results["settings"]
+    generation, distribution, under = figures["generation"], figures["distribution"], figures["understanding"]
 
-    settings = ctx.demo.generate
-    per = ctx.config.images_per_caption or settings.images_per_caption
-    seed = ctx.config.seed
-    with torch.no_grad():
-        if ARMS[arm][0] == "chameleon":
-            model = loaded.parts["model"]
-            gen = evaluate.generation(model, ctx.vocab, ctx.tokenizers["chameleon"], ctx.classifier,
-                                      replace(settings, images_per_caption=per), seed=seed)
-            scores = score_images(ctx, gen["images"], gen["targets"], gen["complete"])
-            under = evaluate.understanding(model, ctx.vocab, ctx.test_codes, ctx.test_labels)
-            scores["sampler"] = {"temperature": settings.temperature, "top_k": settings.top_k,
-                                 "cfg_scale": settings.cfg_scale}
-        else:
-            targets = np.repeat(np.arange(10), per)
-            images, bad = transfusion_images(loaded, ctx.vocab, ctx.tokenizers["transfusion"], targets,
-                                             cfg_scale=settings.cfg_scale, ddim_steps=ctx.config.ddim_steps,
-                                             seed=seed)
-            complete = np.ones(len(targets), dtype=bool)  # DDIM always yields a whole image
-            scores = score_images(ctx, images, targets, complete)
-            scores["nonfinite_latents"] = bad
-            under = transfusion_understanding(loaded, ctx.vocab, ctx.tokenizers["transfusion"], ctx.test_images,
-                                              ctx.test_labels)
-            scores["sampler"] = {"ddim_steps": ctx.config.ddim_steps, "cfg_scale": settings.cfg_scale}
-    return {**scores, "understanding_accuracy": under["accuracy"], "understanding_count": under["count"],
-            "sample_captions": under["texts"][:8]}
+    def finite(value: float | None) -> float:  # None (fewer than two images) stays NaN in this record
+        return float("nan") if value is None else float(value)
+
+    sampler = ({k: settings[k] for k in ("temperature", "top_k", "cfg_scale")} if family == "chameleon"
+               else {"ddim_steps": settings["denoising_steps"], "cfg_scale": settings["cfg_scale"]})
+    return {"generation_accuracy": generation["accuracy"], "generation_count": generation["count"],
+            "complete": generation["complete"], "frechet_distance": finite(distribution["frechet_distance"]),
+            "diversity": finite(distribution["diversity"]), "sampler": sampler,
+            "understanding_accuracy": under["accuracy"], "understanding_count": under["count"],
+            "sample_captions": under["sample_captions"],
+            "eval": {k: results[k] for k in ("figures", "settings", "options", "fingerprints")}}
 
 
 def train_and_score(ctx: _Context, size: str, steps: int, arm: str) -> dict:
@@ -340,11 +250,14 @@ def train_and_score(ctx: _Context, size: str, steps: int, arm: str) -> dict:
     loaded = load_family(trained["last_checkpoint"])
     flops_per_token = float(loaded.family.flops_per_token(seq_len))
     model_config = loaded.parts["model"].config
-    scores = evaluate_run(ctx, loaded, arm)
+    family_options = loaded.family.options_dict()
+    parameters = sum(p.numel() for part in loaded.parts.values() for p in part.parameters())
+    del loaded
+    scores = evaluate_run(ctx, trained["last_checkpoint"], arm, folder / "eval")
     record = {
-        **trained, "size": size, "arm": arm, "family": family, "family_options": loaded.family.options_dict(),
+        **trained, "size": size, "arm": arm, "family": family, "family_options": family_options,
         "extra": extra, "architecture": {k: getattr(model_config, k) for k in ("dim", "n_layers", "n_heads", "ffn_dim")},
-        "parameters": sum(p.numel() for part in loaded.parts.values() for p in part.parameters()),
+        "parameters": parameters,
         "seq_len": seq_len, "flops_per_token": flops_per_token,
         "flops": flops_per_token * trained["decoder_positions"], "held_out": read_validation(folder), **scores,
     }
@@ -382,8 +295,6 @@ def run(config: TransfusionExperimentConfig, log: Callable[[str], None] = print,
         demo: DemoConfig | None = None) -> dict:
     """Train both families at every size x budget (and the causal ablation), score each; returns (and writes) the
     results. `demo`: the settings the demo in `demo_dir` ran with (default: the preset's)."""
-    from common.files import load_checkpoint_file
-    from evaluation.digit_classifier import DigitClassifier
     from experiments.demo.bookkeeping import read_marker, stage_key
     from experiments.mot import held_out_shards
 
@@ -407,7 +318,7 @@ def run(config: TransfusionExperimentConfig, log: Callable[[str], None] = print,
     start = time.perf_counter()
 
     log("[1/5] the continuous tokenizer (kl-demo-64, the VQ tokenizer's budget)")
-    vocab, vq = load_vocab(demo_dir), load_image_tokenizer(demo_dir)
+    vocab = load_vocab(demo_dir)
     kl, kl_record = continuous_tokenizer(config, demo, demo_dir, out_dir, log)
 
     log("[2/5] latent shards of the demo's documents; held-out documents in both forms")
@@ -415,40 +326,21 @@ def run(config: TransfusionExperimentConfig, log: Callable[[str], None] = print,
     val_tokens = held_out_shards(config, demo, demo_dir, out_dir)
     val_latents = latent_shards(out_dir / "held_out" / "raw", out_dir / "held_out" / "latents", vocab, kl, demo)
 
-    digits = digits_for(demo)
-    size = demo.data.image_size
-    test_images = to_model_images(digits.test_images, size)
-    count = min(config.understanding_examples or demo.generate.understanding_examples, len(digits.test_labels))
-    classifier = DigitClassifier()
-    classifier.load_state_dict(load_checkpoint_file(demo_dir / "generate" / "classifier.pt"))
-    classifier.eval()
-    per = config.images_per_caption or demo.generate.images_per_caption
-    subset, rest = balanced_split(digits.test_labels, per, config.seed + 4)
-    with torch.no_grad():
-        test_codes = vq.encode(test_images[:count])
-        real = classifier.penultimate_features(test_images).numpy()
-        floors = {"real": frechet_distance(real[subset], real[rest])}
-        for name, tokenizer in (("vq_reconstructed", vq), ("kl_reconstructed", kl)):
-            recon = tokenizer.decode(tokenizer.encode(test_images[torch.as_tensor(subset)]))
-            floors[name] = frechet_distance(classifier.penultimate_features(recon).numpy(), real[rest])
-            floors[f"{name}_accuracy"] = float((classifier.predict(recon).numpy() == digits.test_labels[subset]).mean())
     ctx = _Context(config, demo, demo_dir, out_dir, {"chameleon": demo_dir / "shards" / "tokens",
                                                      "transfusion": train_latents},
-                   {"chameleon": val_tokens, "transfusion": val_latents}, vocab,
-                   {"chameleon": vq, "transfusion": kl}, out_dir / "tokenizer_kl" / "model", classifier,
-                   test_images[:count], test_codes, digits.test_labels[:count], real[rest], log)
-    floors["real_diversity"] = per_group_diversity(real, digits.test_labels)
-    floors["reference_count"], floors["sample_count"] = len(rest), len(subset)
+                   {"chameleon": val_tokens, "transfusion": val_latents},
+                   {"chameleon": demo_dir / "tokenizer" / "model", "transfusion": out_dir / "tokenizer_kl" / "model"},
+                   out_dir / "tokenizer_kl" / "model", log)
 
     log("[3/5] training (train.py fit, configs/fusion/demo.yaml) and scoring")
     runs: dict[str, dict] = {}
     for size_name, steps, arm in planned_runs(config):
         runs[run_name(size_name, steps, arm)] = train_and_score(ctx, size_name, steps, arm)
-        record = summarize(config, runs, floors, kl_record, out_dir, demo_dir, start, complete=False)
+        record = summarize(config, runs, kl_record, out_dir, demo_dir, start, complete=False)
         atomic_write_json(out_dir / "results.json", record)  # partial results survive an interrupted run
 
     log("[4/5] plots")
-    record = summarize(config, runs, floors, kl_record, out_dir, demo_dir, start, complete=True)
+    record = summarize(config, runs, kl_record, out_dir, demo_dir, start, complete=True)
     record["plots"] = write_plots(record, out_dir / "plots")
     log("[5/5] results")
     atomic_write_json(out_dir / "results.json", record)
@@ -458,7 +350,24 @@ def run(config: TransfusionExperimentConfig, log: Callable[[str], None] = print,
     return record
 
 
-def summarize(config: TransfusionExperimentConfig, runs: dict[str, dict], floors: dict, kl_record: dict,
+def floors_of(runs: dict[str, dict]) -> dict:
+    """The floors every run's suite measured (the same for every run of a family: they depend on the split, the
+    seed, the classifier and the image tokenizer only): real held-out digits, each tokenizer's reconstructions."""
+    floors: dict = {}
+    for family, name in (("chameleon", "vq_reconstructed"), ("transfusion", "kl_reconstructed")):
+        scored = next((r for r in runs.values() if r["family"] == family), None)
+        if scored is None:
+            continue
+        distribution = scored["eval"]["figures"]["distribution"]
+        floors.update({"real": distribution["frechet_real"], name: distribution["frechet_reconstruction"],
+                       f"{name}_accuracy": distribution["accuracy_reconstruction"],
+                       "real_accuracy": distribution["accuracy_real"], "real_diversity": distribution["diversity_real"],
+                       "reference_count": distribution["reference_count"],
+                       "sample_count": distribution["sample_count"]})
+    return floors
+
+
+def summarize(config: TransfusionExperimentConfig, runs: dict[str, dict], kl_record: dict,
               out_dir: Path, demo_dir: Path, start: float, complete: bool) -> dict:
     """The results record: every run, the floors, FLOP parity overall and per size, the causal ablation."""
     ablation = {}
@@ -469,7 +378,7 @@ def summarize(config: TransfusionExperimentConfig, runs: dict[str, dict], floors
                     "bidirectional_generation": bidirectional["generation_accuracy"],
                     "causal_generation": causal["generation_accuracy"]}
     return {"config": dataclasses.asdict(config), "demo_dir": str(demo_dir), "out_dir": str(out_dir),
-            "sizes": {s: SIZES[s] for s in config.sizes}, "runs": runs, "floors": floors,
+            "sizes": {s: SIZES[s] for s in config.sizes}, "runs": runs, "floors": floors_of(runs),
             "continuous_tokenizer": kl_record, "flop_parity": flop_parity(runs),
             "flop_parity_per_size": {s: flop_parity(runs, (s,)) for s in config.sizes},
             "causal_ablation": ablation, "paper": PAPER, "complete": complete,
@@ -506,8 +415,9 @@ def results_markdown(record: dict, plot_dir: str = "plots") -> str:
             f"{_number(r['diversity'])} | {r['understanding_accuracy']:.1%} | "
             f"{_number(r['held_out'].get('text_loss'), '.4f')} |")
     kl = record["continuous_tokenizer"]
-    lines += ["", "| floor | FD | classifier accuracy |", "|---|---|---|",
-              f"| real held-out digits ({floors['sample_count']}) | {floors['real']:.2f} | - |",
+    lines += ["", "| floor | FD | classifier accuracy (every held-out digit) |", "|---|---|---|",
+              f"| real held-out digits ({floors['sample_count']}) | {floors['real']:.2f} | "
+              f"{floors['real_accuracy']:.1%} |",
               f"| VQ reconstructions (Chameleon's tokenizer) | {floors['vq_reconstructed']:.2f} | "
               f"{floors['vq_reconstructed_accuracy']:.1%} |",
               f"| KL reconstructions (Transfusion's tokenizer) | {floors['kl_reconstructed']:.2f} | "
@@ -531,7 +441,8 @@ def results_markdown(record: dict, plot_dir: str = "plots") -> str:
               f"{floors['reference_count']} held-out digits, over {config['images_per_caption'] or 'the demo setting of'}"
               f" images per caption; diversity: mean pairwise feature distance among one caption's images. Training "
               f"FLOPs: the family's flops_per_token(seq_len) x decoder positions trained (Transfusion's counts its "
-              f"patch projections and timestep MLP at every position). {record['minutes']:.1f} minutes on "
+              f"patch projections and timestep MLP at every position). Every run scored by `train.py eval --suite digits` "
+              f"(each run's eval/results.json and eval/index.html). {record['minutes']:.1f} minutes on "
               f"{record['threads']} thread(s).", "", f"![FD against training FLOPs]({plot_dir}/fd_vs_flops.png)"]
     return "\n".join(lines) + "\n"
 

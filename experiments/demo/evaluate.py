@@ -7,6 +7,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from evaluation.digits import balanced_split as _balanced_split
 from evaluation.frechet import frechet_distance, per_group_diversity
 from experiments.demo.datasets import (
     CALCULATE,
@@ -82,13 +83,6 @@ def generation(model, vocab, image_tokenizer, classifier, settings: GenerateSett
     correct = (predicted == targets) & complete.numpy()
     return {"targets": targets, "codes": codes, "images": images, "predicted": predicted,
             "complete": complete.numpy(), "accuracy": float(correct.mean()), "count": len(targets)}
-
-
-def _balanced_split(labels: np.ndarray, per_class: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-    """`per_class` random indices of each label (shaped like one generation pass), and every other index."""
-    subset = np.concatenate([rng.choice(np.flatnonzero(labels == d), min(per_class, int((labels == d).sum())),
-                                        replace=False) for d in np.unique(labels)])
-    return np.sort(subset), np.setdiff1d(np.arange(len(labels)), subset)
 
 
 def _spread_and_distance(classifier, gen: dict, reference: np.ndarray) -> tuple[float, float]:

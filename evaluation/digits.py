@@ -1,0 +1,304 @@
+"""The `digits` suite: the demo's held-out evaluation on MNIST digits for any family, sampled through the family's
+own `generate` (`EvalContext.sample`), read by the demo's independent classifier (`evaluation.digit_classifier`).
+
+- understanding: held-out digits captioned greedily (`<s>` + the image, then text), the digit the caption names
+  (`parse_digit`) against the label;
+- generation: each digit's caption (`caption_prompt`) sampled `samples_per_prompt` times in image mode; a sample
+  counts when it made a whole image that the classifier reads as the caption's digit (no image: wrong);
+- distribution: Fréchet distance to held-out real digits and per-caption diversity of the generated images in the
+  classifier's 128-d penultimate features. The reference is the held-out set minus a class-balanced subset as large
+  as one generation pass; that subset and its round trip through the checkpoint's own image tokenizer give the
+  floors (the distance sampling noise alone leaves, and the one a generator bounded by the tokenizer reaches);
+  `diversity_real` is the spread over every held-out digit of each class. With `plain_sampling`, one more pass at
+  temperature 1 without top-k or guidance is scored the same way (`plain`);
+- interleaved arithmetic: `calculate <a> plus <b> equals` with held-out digit images; the model writes the worded
+  sum (greedy) and then the answer image, which the classifier reads (`prompts_per_skill` problems);
+- text loss: the decoder's mean next-token loss on held-out text documents (`digits_data.held_out_text_documents`).
+
+A family that writes no images (late fusion) is scored on understanding and text; its generation, interleaved and
+generated-image distribution figures are None (the floors are still measured)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from evaluation import digits_data as data
+from evaluation.base import EvalContext, PageSample, Suite, SuiteResult, first_image, text_of
+from evaluation.frechet import frechet_distance, per_group_diversity
+
+PARTS = ("understanding", "generation", "distribution", "interleaved", "text")
+CAPTION_TOKENS = 16  # greedy tokens after a held-out digit: a caption is a few words
+SUM_TEXT_TOKENS = 24  # room for the worded sum before the answer image
+SHOWN = 24  # page rows per group
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class DigitOptions:
+    """What the digits suite needs besides the checkpoint: the finished demo (its classifier) and its split."""
+
+    demo_dir: str = field(default="", metadata=_help("a finished demo's folder (python train.py demo): the classifier "
+                                                     "it trained (generate/classifier.pt) reads the digits"))
+    classifier: str = field(default="", metadata=_help("the classifier's state_dict (default: "
+                                                       "<demo-dir>/generate/classifier.pt)"))
+    held_out: int = field(default=500, metadata=_help("held-out digits of the demo's split (its data.held_out: 500 "
+                                                      "for the full preset, 200 for smoke)"))
+    split_seed: int = field(default=0, metadata=_help("the seed of the demo's split (its seed)"))
+    parts: str = field(default=",".join(PARTS), metadata=_help(f"comma-separated figures to compute, of {PARTS} "
+                                                               "(distribution needs generation)"))
+    plain_sampling: bool = field(default=False, metadata=_help("also sample every caption at temperature 1 without "
+                                                               "top-k or guidance and score its distribution"))
+
+    def chosen_parts(self) -> tuple[str, ...]:
+        """The parts asked for, checked."""
+        chosen = tuple(p.strip() for p in self.parts.split(",") if p.strip())
+        unknown = [p for p in chosen if p not in PARTS]
+        if unknown:
+            raise ValueError(f"--parts {self.parts!r}: unknown {unknown}; choose from {', '.join(PARTS)}")
+        if "distribution" in chosen and "generation" not in chosen:
+            raise ValueError("--parts: distribution scores the generated images; add generation")
+        return chosen
+
+    def classifier_path(self) -> Path:
+        """Where the classifier's state_dict is."""
+        if self.classifier:
+            return Path(self.classifier)
+        if not self.demo_dir:
+            raise ValueError("the digits suite reads digits with the demo's classifier: pass --demo-dir (a finished "
+                             "demo's folder) or --classifier")
+        return Path(self.demo_dir) / "generate" / "classifier.pt"
+
+
+def load_classifier(path: str | Path):
+    """The demo's DigitClassifier from its saved state_dict, in eval mode."""
+    from common.files import load_checkpoint_file
+    from evaluation.digit_classifier import DigitClassifier
+
+    classifier = DigitClassifier()
+    classifier.load_state_dict(load_checkpoint_file(path))
+    return classifier.eval()
+
+
+def pixels(images: list[Image.Image]) -> torch.Tensor:
+    """PIL RGB images -> float (N, 3, H, W) in [-1, 1] (what the classifier reads)."""
+    array = np.stack([np.asarray(image.convert("RGB")) for image in images])
+    return torch.from_numpy(array).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+
+
+def balanced_split(labels: np.ndarray, per_class: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """`per_class` random indices of each label (shaped like one generation pass), and every other index."""
+    subset = np.concatenate([rng.choice(np.flatnonzero(labels == d), min(per_class, int((labels == d).sum())),
+                                        replace=False) for d in np.unique(labels)])
+    return np.sort(subset), np.setdiff1d(np.arange(len(labels)), subset)
+
+
+def _distance(features: np.ndarray, reference: np.ndarray) -> float | None:
+    return frechet_distance(features, reference) if len(features) >= 2 else None
+
+
+def _diversity(features: np.ndarray, groups: np.ndarray) -> float | None:
+    try:
+        return per_group_diversity(features, groups)
+    except ValueError:  # no caption with two samples
+        return None
+
+
+def _text_before_image(segments: list[Any]) -> str:
+    """The text a sample wrote before its first image (the worded sum)."""
+    end = next((i for i, s in enumerate(segments) if isinstance(s, Image.Image)), len(segments))
+    return text_of(segments[:end])
+
+
+class DigitSuite(Suite):
+    """Understanding, generation, distribution, interleaved arithmetic and text loss on the demo's held-out digits."""
+
+    name = "digits"
+    description = ("the demo's MNIST evaluation: captions of held-out digits, digits drawn from captions (classifier "
+                   "accuracy, Fréchet distance, diversity), interleaved arithmetic, text loss")
+    Options = DigitOptions
+
+    def check(self, context: EvalContext) -> None:
+        """Refuse a checkpoint without an image tokenizer, a missing classifier or unknown parts."""
+        self.options.chosen_parts()
+        if context.media_tokenizer is None:
+            raise ValueError("the digits suite shows the model digits: pass the image tokenizer bundle the "
+                             "checkpoint's shards were made with (--media-tokenizer)")
+        path = self.options.classifier_path()
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist: the digits suite reads digits with the classifier a "
+                                    "finished demo trained (python train.py demo), or pass --classifier")
+
+    def run(self, context: EvalContext) -> SuiteResult:
+        """Every part asked for; parts not asked for (or impossible for the family) are None."""
+        s, parts = context.settings, self.options.chosen_parts()
+        classifier = load_classifier(self.options.classifier_path())
+        split = data.load_digits(held_out=self.options.held_out, seed=self.options.split_seed)
+        size = int(getattr(context.media_tokenizer.config, "image_size", 64))
+        real = data.to_model_images(split.test_images, size)
+        writes = context.can_make_images()
+        samples: list[PageSample] = []
+        figures: dict[str, Any] = {"understanding": None, "generation": None, "distribution": None,
+                                   "interleaved": None, "text_loss": None, "writes_images": writes}
+        if "understanding" in parts:
+            figures["understanding"] = self._understanding(context, real, split.test_labels, samples)
+        generated = None
+        if "generation" in parts and writes:
+            generated = self._generation(context, classifier, s.temperature, s.top_k, s.cfg_scale, 2)
+            figures["generation"] = generated["figures"]
+            self._show(samples, "generation", generated, s.samples_per_prompt)
+        if "distribution" in parts:
+            figures["distribution"] = self._distribution(context, classifier, real, split.test_labels, generated)
+        if "interleaved" in parts and writes:
+            figures["interleaved"] = self._interleaved(context, classifier, real, split.test_labels, samples)
+        if "text" in parts:
+            documents = data.held_out_text_documents(split.test_labels, s.text_documents, s.seed)
+            figures["text_loss"] = context.text_loss(documents)
+        distribution = figures["distribution"] or {}
+        figures["summary"] = {
+            "understanding": (figures["understanding"] or {}).get("accuracy"),
+            "generation": (figures["generation"] or {}).get("accuracy"),
+            "frechet_distance": distribution.get("frechet_distance"), "diversity": distribution.get("diversity"),
+            "interleaved": (figures["interleaved"] or {}).get("accuracy"), "text_loss": figures["text_loss"]}
+        return SuiteResult(figures, samples)
+
+    # ---------------------------------------------------------------- understanding
+    def _understanding(self, context: EvalContext, real: torch.Tensor, labels: np.ndarray,
+                       samples: list[PageSample]) -> dict[str, Any] | None:
+        from tokenizer.image import to_pil
+
+        count = min(context.settings.understanding_items, len(labels))
+        if count == 0:
+            return None
+        context.progress(f"eval digits: captioning {count} held-out digits")
+        images = to_pil(real[:count])
+        outputs, _ = context.sample([[image] for image in images],
+                                    context.sampling("text", max_new_tokens=CAPTION_TOKENS))
+        texts = [text_of(out) for out in outputs]
+        predicted = [data.parse_digit(text) for text in texts]
+        right = np.array([p == int(y) for p, y in zip(predicted, labels[:count])])
+        for i in range(min(SHOWN, count)):
+            samples.append(PageSample("understanding", "caption this digit", images[i], text=texts[i],
+                                      correct=bool(right[i]), note=f"label: {data.DIGIT_WORDS[int(labels[i])]}"))
+        return {"accuracy": float(right.mean()), "count": count, "sample_captions": texts[:8]}
+
+    # ---------------------------------------------------------------- generation
+    def _generation(self, context: EvalContext, classifier, temperature: float, top_k: int, cfg_scale: float,
+                    seed: int) -> dict[str, Any]:
+        """Each digit's caption `samples_per_prompt` times; the images made, which rows made one, the figures."""
+        per = context.settings.samples_per_prompt
+        targets = np.repeat(np.arange(10), per)
+        context.progress(f"eval digits: generating {len(targets)} digits (10 captions x {per})")
+        config = context.sampling("image", seed=seed, image_temperature=temperature, image_top_k=top_k,
+                                  cfg_scale=cfg_scale)
+        outputs, _ = context.sample([[data.caption_prompt(int(d))] for d in targets], config)
+        images = [first_image(out) for out in outputs]
+        made = np.array([image is not None for image in images])
+        predicted = np.full(len(targets), -1)
+        if made.any():
+            predicted[made] = classifier.predict(pixels([im for im in images if im is not None])).numpy()
+        correct = (predicted == targets) & made
+        per_digit = {data.DIGIT_WORDS[d]: float(correct[targets == d].mean()) for d in range(10)}
+        return {"targets": targets, "images": images, "made": made, "predicted": predicted, "correct": correct,
+                "figures": {"accuracy": float(correct.mean()), "count": len(targets), "made_image": float(made.mean()),
+                            "complete": int(made.sum()), "per_digit": per_digit}}
+
+    def _show(self, samples: list[PageSample], group: str, generated: dict[str, Any], per_prompt: int) -> None:
+        """The first few images of each caption on the page."""
+        for i, target in enumerate(generated["targets"]):
+            if i % per_prompt >= max(1, SHOWN // 10):
+                continue
+            image, guess = generated["images"][i], int(generated["predicted"][i])
+            samples.append(PageSample(group, data.caption_prompt(int(target)), image,
+                                      correct=bool(generated["correct"][i]),
+                                      note=f"read: {data.DIGIT_WORDS[guess]}" if image is not None else "no image"))
+
+    # ---------------------------------------------------------------- distribution
+    def _distribution(self, context: EvalContext, classifier, real: torch.Tensor, labels: np.ndarray,
+                      generated: dict[str, Any] | None) -> dict[str, Any]:
+        s = context.settings
+        features = classifier.penultimate_features(real).numpy()
+        subset, rest = balanced_split(labels, s.samples_per_prompt, np.random.default_rng(s.seed + 4))
+        reference = features[rest]
+        context.progress(f"eval digits: reconstructing {len(labels)} held-out digits with the image tokenizer")
+        reconstructed = self._round_trip(context, real)
+        result: dict[str, Any] = {
+            "feature_space": "evaluation.digit_classifier.DigitClassifier.penultimate_features (128)",
+            "frechet_distance": None, "diversity": None,
+            "frechet_real": _distance(features[subset], reference),
+            "frechet_reconstruction": _distance(
+                classifier.penultimate_features(reconstructed[torch.as_tensor(subset)]).numpy(), reference),
+            "diversity_real": _diversity(features, labels),
+            "accuracy_real": float((classifier.predict(real).numpy() == labels).mean()),
+            "accuracy_reconstruction": float((classifier.predict(reconstructed).numpy() == labels).mean()),
+            "reference_count": len(rest), "sample_count": len(subset)}
+        if generated is not None:
+            result.update(self._spread(classifier, generated, reference))
+        if self.options.plain_sampling and generated is not None:
+            plain = self._generation(context, classifier, 1.0, 0, 1.0, 5)
+            result["plain"] = {"accuracy": plain["figures"]["accuracy"], **self._spread(classifier, plain, reference)}
+        return result
+
+    @staticmethod
+    def _spread(classifier, generated: dict[str, Any], reference: np.ndarray) -> dict[str, float | None]:
+        """Fréchet distance and per-caption diversity of the images a pass made (None below two)."""
+        made = generated["made"]
+        if made.sum() < 2:
+            return {"frechet_distance": None, "diversity": None}
+        features = classifier.penultimate_features(
+            pixels([im for im in generated["images"] if im is not None])).numpy()
+        return {"frechet_distance": _distance(features, reference),
+                "diversity": _diversity(features, generated["targets"][made])}
+
+    @staticmethod
+    @torch.no_grad()
+    def _round_trip(context: EvalContext, images: torch.Tensor, batch_size: int = 250) -> torch.Tensor:
+        """Each image through the checkpoint's image tokenizer and back (codes or latents)."""
+        tokenizer, out = context.media_tokenizer, []
+        for start in range(0, len(images), batch_size):
+            batch = images[start:start + batch_size].to(context.settings.device)
+            out.append(tokenizer.decode(tokenizer.encode(batch)).float().clamp(-1, 1).cpu())
+        return torch.cat(out)
+
+    # ---------------------------------------------------------------- interleaved arithmetic
+    def _interleaved(self, context: EvalContext, classifier, real: torch.Tensor, labels: np.ndarray,
+                     samples: list[PageSample]) -> dict[str, Any]:
+        from tokenizer.image import to_pil
+
+        s = context.settings
+        rng = np.random.default_rng(s.seed + 1)
+        pairs = data.arithmetic_pairs(rng, s.prompts_per_skill)
+        a_idx = data.pick_by_label(labels, pairs[:, 0], rng)
+        b_idx = data.pick_by_label(labels, pairs[:, 1], rng)
+        shown = to_pil(real[np.unique(np.concatenate([a_idx, b_idx]))])
+        pictures = dict(zip(np.unique(np.concatenate([a_idx, b_idx])).tolist(), shown))
+        prompts = [[data.CALCULATE, pictures[int(a)], data.PLUS, pictures[int(b)], data.EQUALS]
+                   for a, b in zip(a_idx, b_idx)]
+        h, w = (int(n) for n in context.media_tokenizer.grid_shape)
+        context.progress(f"eval digits: {len(prompts)} interleaved sums")
+        config = context.sampling("interleaved", seed=3, max_new_tokens=SUM_TEXT_TOKENS + h * w + 2)
+        outputs, _ = context.sample(prompts, config)
+        answers = pairs.sum(axis=1)
+        images = [first_image(out) for out in outputs]
+        made = np.array([image is not None for image in images])
+        predicted = np.full(len(answers), -1)
+        if made.any():
+            predicted[made] = classifier.predict(pixels([im for im in images if im is not None])).numpy()
+        correct = (predicted == answers) & made
+        texts = [_text_before_image(out) for out in outputs]
+        worded = np.array([data.parse_digit(t) == int(c) for t, c in zip(texts, answers)])
+        for i in range(min(SHOWN, len(prompts))):
+            a, b = int(pairs[i, 0]), int(pairs[i, 1])
+            samples.append(PageSample("interleaved arithmetic", f"calculate {a} plus {b} equals", images[i],
+                                      text=texts[i], correct=bool(correct[i]),
+                                      note=f"read: {data.DIGIT_WORDS[int(predicted[i])]}" if made[i] else "no image"))
+        return {"accuracy": float(correct.mean()), "count": len(answers), "made_image": float(made.mean()),
+                "worded_sum_accuracy": float(worded.mean())}
