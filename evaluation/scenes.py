@@ -184,7 +184,7 @@ class SceneSuite(Suite):
         kinds = sorted({item.kind for item in items})
         result: dict[str, Any] = {kind: float(right[[item.kind == kind for item in items]].mean()) for kind in kinds}
         result["overall"] = float(right.mean())
-        result["count"] = len(items)
+        result["items"] = len(items)  # not "count": that is a question kind
         for i, item in enumerate(items[:24]):
             samples.append(PageSample(f"understanding: {item.kind}", item.question, prompts[i][0], text=answers[i],
                                       correct=bool(right[i]), note=f"expected: {item.answer}"))
