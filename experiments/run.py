@@ -11,6 +11,7 @@ EXPERIMENTS: dict[str, tuple[str, str]] = {
     "mot": ("experiments.mot", "dense vs Mixture-of-Transformers decoders at three sizes"),
     "transfusion": ("experiments.transfusion", "Chameleon (VQ codes) vs Transfusion (latents) FD/FLOPs"),
     "video": ("experiments.video", "Emu3-style video tokens: clips from captions, checked, offline"),
+    "compositional": ("experiments.compositional", "Chameleon vs MoT vs Transfusion at equal FLOPs on the scene world, scored by the scenes suite"),
     "sft": ("experiments.sft", "chat SFT of the demo's decoder: answer-only vs every-token loss, unbalanced mix, LoRA and head-only"),
 }
 

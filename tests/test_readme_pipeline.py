@@ -24,6 +24,8 @@ SMALL = {
     "fit": ["--trainer.max_steps", "3", "--data.batch_size", "2", "--data.seq_len", "64",
             "--trainer.val_check_interval", "null"],
     "generate": ["--num-samples", "1"],
+    "eval": ["--prompts-per-skill", "1", "--samples-per-prompt", "1", "--understanding-items", "3",
+             "--text-documents", "2", "--cfg-scale", "1"],
 }
 SKIPPED = {"convert import": "needs a transformers Chameleon folder (HF_DIR); tests/fusion_model/test_hf_export.py",
            "experiment": "needs a finished demo; tests/experiments/ runs them on a smoke demo"}
@@ -231,6 +233,12 @@ def test_the_readme_commands_run_as_written_on_new_data(tmp_path):
     files = [path.strip() for listed in clips for path in listed.split(",")]
     assert files and all((tmp_path / path).is_file() for path in files), video["generate"][-2000:]
     assert {Path(path).suffix for path in files} == {".gif", ".mp4", ".png"}, files
+    # evaluation: every skill scored with its ceilings, the fingerprints recorded, a page written
+    scored = json.loads((tmp_path / "runs/eval-scenes/results.json").read_text())
+    assert set(scored["figures"]["generation"]) == {"single_object", "two_objects", "counting", "colours", "position",
+                                                   "colour_attribution"}, scored["figures"]
+    assert scored["fingerprints"]["checkpoint"] and (tmp_path / "runs/eval-scenes/index.html").is_file()
+    assert "eval: wrote runs/eval-scenes/results.json" in outputs["eval"], outputs["eval"][-2000:]
 
 
 @pytest.mark.parametrize("command", readme_commands())
