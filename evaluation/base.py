@@ -5,6 +5,7 @@ a text loss) and what it returns (`SuiteResult`: figures for results.json, sampl
 from __future__ import annotations
 
 import math
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields, replace
@@ -14,6 +15,8 @@ import torch
 from PIL import Image
 
 from fusion_model.families.loading import LoadedFamily
+
+PROGRESS_SECONDS = 30.0  # at most this long between progress lines while sampling
 
 
 def _help(text: str) -> dict[str, str]:
@@ -108,12 +111,16 @@ class EvalContext:
         outputs: list[list[Any]] = []
         ids: list[list[int]] = []
         size = self.settings.batch_size
+        last_line = time.monotonic()
         for k, start in enumerate(range(0, len(prompts), size)):
             batch_config = replace(config, seed=(config.seed or 0) + k)
             out, new_ids = self.loaded.family.generate(self.loaded.parts, self.vocab, self.media_tokenizer,
                                                        prompts[start:start + size], batch_config)
             outputs += out
             ids += new_ids
+            if time.monotonic() - last_line > PROGRESS_SECONDS and len(outputs) < len(prompts):
+                self.progress(f"eval: sampled {len(outputs)}/{len(prompts)}")  # a log file is never silent long
+                last_line = time.monotonic()
         return outputs, ids
 
     def can_make_images(self) -> bool:
