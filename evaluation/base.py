@@ -129,14 +129,15 @@ class EvalContext:
 
     @torch.no_grad()
     def text_loss(self, documents: list[str]) -> float | None:
-        """Mean next-token loss (nats per text target) of the decoder on text-only documents (`<s> text </s>`), or
-        None when the family's decoder has no `loss` (it reads text through something else)."""
+        """Mean next-token loss (nats per text token) of the decoder on texts after `<s>`, or None when the family's
+        decoder has no `loss` (it reads text through something else). No `</s>` is scored: in documents of captions
+        and images a caption is followed by an image, so a closing `</s>` would be a target the data never shows."""
         model = self.loaded.parts.get("model")
         if model is None or not hasattr(model, "loss") or not documents:
             return None
         total, count = 0.0, 0
         for text in documents:
-            ids = torch.tensor([self.vocab.encode_document([text], bos=True, eos=True)], device=self.settings.device)
+            ids = torch.tensor([self.vocab.encode_document([text], bos=True, eos=False)], device=self.settings.device)
             out = model.loss(ids, torch.zeros_like(ids))
             n = int(out["n_text_targets"])
             total += float(out["text_loss"]) * n
