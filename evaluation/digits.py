@@ -30,7 +30,7 @@ from PIL import Image
 
 from evaluation import digits_data as data
 from evaluation.base import EvalContext, PageSample, Suite, SuiteResult, first_image, text_of
-from evaluation.frechet import frechet_distance, per_group_diversity
+from evaluation.frechet import diversity_or_none, frechet_or_none
 
 PARTS = ("understanding", "generation", "distribution", "interleaved", "text")
 CAPTION_TOKENS = 16  # greedy tokens after a held-out digit: a caption is a few words
@@ -99,17 +99,6 @@ def balanced_split(labels: np.ndarray, per_class: int, rng: np.random.Generator)
     subset = np.concatenate([rng.choice(np.flatnonzero(labels == d), min(per_class, int((labels == d).sum())),
                                         replace=False) for d in np.unique(labels)])
     return np.sort(subset), np.setdiff1d(np.arange(len(labels)), subset)
-
-
-def _distance(features: np.ndarray, reference: np.ndarray) -> float | None:
-    return frechet_distance(features, reference) if len(features) >= 2 else None
-
-
-def _diversity(features: np.ndarray, groups: np.ndarray) -> float | None:
-    try:
-        return per_group_diversity(features, groups)
-    except ValueError:  # no caption with two samples
-        return None
 
 
 def _text_before_image(segments: list[Any]) -> str:
@@ -233,10 +222,10 @@ class DigitSuite(Suite):
         result: dict[str, Any] = {
             "feature_space": "evaluation.digit_classifier.DigitClassifier.penultimate_features (128)",
             "frechet_distance": None, "diversity": None,
-            "frechet_real": _distance(features[subset], reference),
-            "frechet_reconstruction": _distance(
+            "frechet_real": frechet_or_none(features[subset], reference),
+            "frechet_reconstruction": frechet_or_none(
                 classifier.penultimate_features(reconstructed[torch.as_tensor(subset)]).numpy(), reference),
-            "diversity_real": _diversity(features, labels),
+            "diversity_real": diversity_or_none(features, labels),
             "accuracy_real": float((classifier.predict(real).numpy() == labels).mean()),
             "accuracy_reconstruction": float((classifier.predict(reconstructed).numpy() == labels).mean()),
             "reference_count": len(rest), "sample_count": len(subset)}
@@ -255,8 +244,8 @@ class DigitSuite(Suite):
             return {"frechet_distance": None, "diversity": None}
         features = classifier.penultimate_features(
             pixels([im for im in generated["images"] if im is not None])).numpy()
-        return {"frechet_distance": _distance(features, reference),
-                "diversity": _diversity(features, generated["targets"][made])}
+        return {"frechet_distance": frechet_or_none(features, reference),
+                "diversity": diversity_or_none(features, generated["targets"][made])}
 
     @staticmethod
     @torch.no_grad()

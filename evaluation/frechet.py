@@ -94,3 +94,16 @@ def torchmetrics_frechet_distance(features_a: np.ndarray | torch.Tensor,
     metric.update(torch.from_numpy(a), real=False)
     metric.update(torch.from_numpy(b), real=True)
     return float(metric.compute())
+
+
+def frechet_or_none(features: np.ndarray, reference: np.ndarray) -> float | None:
+    """`frechet_distance`, or None when fewer than two samples were made (a figure a suite reports as missing)."""
+    return frechet_distance(features, reference) if len(features) >= 2 else None
+
+
+def diversity_or_none(features: np.ndarray, groups: np.ndarray) -> float | None:
+    """`per_group_diversity`, or None when no group has two samples."""
+    try:
+        return per_group_diversity(features, groups)
+    except ValueError:
+        return None

@@ -21,7 +21,7 @@ from PIL import Image
 from data_shards import scenes as world
 from evaluation import scene_checker as checker
 from evaluation.base import EvalContext, PageSample, Suite, SuiteResult, first_image, text_of
-from evaluation.frechet import frechet_distance, per_group_diversity
+from evaluation.frechet import diversity_or_none, frechet_or_none
 
 RANKED_CEILING = 0.9  # a skill is ranked only where the tokenizer's reconstructions read at least this well
 ANSWER_TOKENS = 8  # greedy tokens after a question: an answer is one to three words
@@ -55,17 +55,6 @@ def _describe(image: np.ndarray) -> str:
 
 def _features(images: list[np.ndarray]) -> np.ndarray:
     return np.stack([checker.scene_features(image) for image in images])
-
-
-def _distance(features: np.ndarray, reference: np.ndarray) -> float | None:
-    return frechet_distance(features, reference) if len(features) >= 2 else None
-
-
-def _diversity(features: np.ndarray, groups: np.ndarray) -> float | None:
-    try:
-        return per_group_diversity(features, groups)
-    except ValueError:  # no caption with two samples
-        return None
 
 
 class SceneSuite(Suite):
@@ -148,14 +137,14 @@ class SceneSuite(Suite):
         recon_features = _features(reconstructed)
         distribution = {
             "feature_space": f"evaluation.scene_checker.scene_features ({reference_features.shape[1]} features)",
-            "frechet_real": _distance(truth_features, reference_features),
-            "frechet_reconstruction": _distance(recon_features, reference_features),
-            "diversity_real": _diversity(truth_features, groups),
+            "frechet_real": frechet_or_none(truth_features, reference_features),
+            "frechet_reconstruction": frechet_or_none(recon_features, reference_features),
+            "diversity_real": diversity_or_none(truth_features, groups),
             "frechet_distance": None, "diversity": None}
         if writes and made.sum() >= 2:
             made_features = _features([g for g in generated if g is not None])
-            distribution["frechet_distance"] = _distance(made_features, reference_features)
-            distribution["diversity"] = _diversity(made_features, groups[made])
+            distribution["frechet_distance"] = frechet_or_none(made_features, reference_features)
+            distribution["diversity"] = diversity_or_none(made_features, groups[made])
         result["distribution"] = distribution
         shown = defaultdict(int)
         for i, prompt in enumerate(repeated):

@@ -11,12 +11,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from data_shards.scenes import shape_mask
+
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (230, 40, 40), "green": (40, 210, 60), "blue": (50, 90, 240), "yellow": (235, 215, 40)}
 SHAPES = ("square", "circle", "triangle")
 DIRECTIONS: dict[str, tuple[int, int]] = {"left": (-1, 0), "right": (1, 0), "up": (0, -1), "down": (0, 1)}  # (dx, dy)
 FRAMES, SIZE = 8, 32
-SUPERSAMPLE = 4  # shapes are drawn at 4x and averaged down: sub-pixel motion, smooth edges
 # the checker's thresholds: a pixel is foreground when its brightest channel is above this (background is black)
 FOREGROUND = 0.35
 
@@ -91,21 +92,8 @@ def random_spec(rng: np.random.Generator, triple: tuple[str, str, str], frames: 
 
 
 def _mask(shape: str, side: float, x: float, y: float, size: int) -> np.ndarray:
-    """The shape's coverage of each pixel (size, size) in [0, 1], drawn at SUPERSAMPLE x and averaged."""
-    k = SUPERSAMPLE
-    centres = (np.arange(size * k) + 0.5) / k
-    u = (centres[None, :] - x) / side  # 0..1 across the shape's box
-    v = (centres[:, None] - y) / side
-    inside_box = (u >= 0) & (u < 1) & (v >= 0) & (v < 1)
-    if shape == "square":
-        fine = inside_box
-    elif shape == "circle":
-        fine = (u - 0.5) ** 2 + (v - 0.5) ** 2 < 0.25
-    elif shape == "triangle":  # apex at the top middle, base along the bottom
-        fine = inside_box & (np.abs(u - 0.5) <= v / 2)
-    else:
-        raise ValueError(f"unknown shape {shape!r}; shapes are {SHAPES}")
-    return fine.reshape(size, k, size, k).mean(axis=(1, 3))
+    """The shape's coverage of each pixel (size, size) in [0, 1]: the scene world's drawing, in a square box."""
+    return shape_mask(shape, x, y, side, side, size)
 
 
 def render(spec: ClipSpec, frames: int = FRAMES, size: int = SIZE) -> np.ndarray:
