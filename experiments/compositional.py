@@ -503,7 +503,7 @@ def results_markdown(record: dict, plot: str = "plots/skills.png") -> str:
                  + " | ".join(_pct(arms[a]["figures"].get("generation_score")) for a in names) + " |")
     from data_shards.scenes import QUESTION_KINDS
 
-    # a kind's accuracy is a float (the suite's `count` may also hold the number of questions, an int)
+    # the kinds some arm was asked about (a run with no understanding items has none)
     kinds = [k for k in QUESTION_KINDS
              if any(isinstance((r["figures"].get("understanding") or {}).get(k), float) for r in arms.values())]
     lines += ["", "| arm | family / block | steps | training FLOPs | train s | s/step | generation score | "
