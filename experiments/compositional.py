@@ -578,32 +578,52 @@ def write_plots(record: dict, folder: Path) -> list[str]:
     return [str(path)]
 
 
-def render_doc(results: str | Path, doc: str | Path = DOC) -> Path:
-    """docs/results/compositional.md from a finished `results.json` (its plot copied beside the doc)."""
-    results = Path(results)
-    record = json.loads(results.read_text())
-    if not record.get("complete"):
-        raise ValueError(f"{results} is not a finished run (complete is false): rerun with --reuse to finish it")
+READING_MARK = "## Reading"  # the doc's hand-written section from here on: kept when the tables are rendered again
+
+
+def render_doc(results: str | Path | list[str | Path], doc: str | Path = DOC) -> Path:
+    """docs/results/compositional.md from finished `results.json` files (one section per run, e.g. per budget; each
+    run's plot copied beside the doc). A `## Reading` section already in the doc is kept below the tables."""
+    paths = [Path(r) for r in (results if isinstance(results, list) else [results])]
     doc = Path(doc)
-    if record["config"].get("smoke") and doc.resolve() == DOC.resolve():
-        raise ValueError(f"{results} is a --smoke run: its figures do not belong in {DOC.relative_to(REPO_ROOT)} "
-                         "(pass --doc PATH to render it elsewhere)")
+    records = []
+    for path in paths:
+        record = json.loads(path.read_text())
+        if not record.get("complete"):
+            raise ValueError(f"{path} is not a finished run (complete is false): rerun with --reuse to finish it")
+        if record["config"].get("smoke") and doc.resolve() == DOC.resolve():
+            raise ValueError(f"{path} is a --smoke run: its figures do not belong in {DOC.relative_to(REPO_ROOT)} "
+                             "(pass --doc PATH to render it elsewhere)")
+        records.append((path, record))
+    reading = ""
+    if doc.is_file() and READING_MARK in doc.read_text():
+        reading = doc.read_text()[doc.read_text().index(READING_MARK):]
     doc.parent.mkdir(parents=True, exist_ok=True)
-    plot = results.parent / "plots" / "skills.png"
-    if plot.is_file():
-        shutil.copyfile(plot, doc.parent / DOC_PLOT)
-    config = record["config"]
-    head = ["# Compositional generation on the scene world: Chameleon vs MoT vs Transfusion at equal FLOPs", "",
-            "`python train.py experiment compositional` (experiments/compositional.py): three decoder designs at the "
-            f"demo's size ({config['size']}) trained on the synthetic scene world (`data_shards.scenes`: 64-px "
-            "scenes of coloured shapes, captions of GenEval's six skills with held-out caption combinations, "
-            "questions, a few edit documents) for the same training FLOPs, each scored by `train.py eval --suite "
-            "scenes` (`evaluation.scenes`: a rule-based scene checker, so generation accuracy is exact). "
-            "`chameleon` and `mot` read VQ codes (the same token shards); `transfusion` reads continuous latents of "
-            "the same documents, written by a KL tokenizer trained for the VQ tokenizer's steps.", "",
-            f"Rerun: `python train.py experiment compositional --out {record['config']['out_dir']}`, then "
-            f"`python train.py experiment compositional --render-doc --out {record['config']['out_dir']}`.", ""]
-    atomic_write_text(doc, "\n".join(head) + results_markdown(record, plot=DOC_PLOT))
+    config = records[0][1]["config"]
+    outs = " ".join(f"--out {r['config']['out_dir']}" if k == 0 else f"--also {r['config']['out_dir']}"
+                    for k, (_, r) in enumerate(records))
+    lines = ["# Compositional generation on the scene world: Chameleon vs MoT vs Transfusion at equal FLOPs", "",
+             "`python train.py experiment compositional` (experiments/compositional.py): three decoder designs at the "
+             f"demo's size ({config['size']}) trained on the synthetic scene world (`data_shards.scenes`: 64-px "
+             "scenes of coloured shapes, captions of GenEval's six skills with held-out caption combinations, "
+             "questions, a few edit documents) for the same training FLOPs, each scored by `train.py eval --suite "
+             "scenes` (`evaluation.scenes`: a rule-based scene checker, so generation accuracy is exact; "
+             "[docs/evaluation.md](../evaluation.md)). `chameleon` and `mot` read VQ codes (the same token shards); "
+             "`transfusion` reads continuous latents of the same documents, written by a KL tokenizer trained for "
+             "the VQ tokenizer's steps. One seed (0) per arm and budget.", "",
+             "Rerun: " + "; ".join(f"`python train.py experiment compositional --flops-budget "
+                                   f"{r['config']['flops_budget']:.3g} --out {r['config']['out_dir']}`"
+                                   for _, r in records)
+             + f"; then `python train.py experiment compositional --render-doc {outs}` (the tables below; the reading "
+             "at the end is written by hand and kept).", ""]
+    for k, (path, record) in enumerate(records):
+        plot = path.parent / "plots" / "skills.png"
+        name = DOC_PLOT if k == 0 else DOC_PLOT.replace(".png", f"_{k + 1}.png")
+        if plot.is_file():
+            shutil.copyfile(plot, doc.parent / name)
+        lines += [f"## Budget {record['config']['flops_budget']:.3g} training FLOPs per arm "
+                  f"({record['config']['out_dir']})", "", results_markdown(record, plot=name)]
+    atomic_write_text(doc, "\n".join(lines) + ("\n" + reading if reading else ""))
     return doc
 
 
@@ -624,6 +644,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--render-doc", action="store_true",
                         help=f"only write {DOC.relative_to(REPO_ROOT)} (or --doc) from <out>/results.json")
     parser.add_argument("--doc", default=str(DOC), help="where --render-doc writes (its plot goes beside it)")
+    parser.add_argument("--also", action="append", default=[], metavar="OUT",
+                        help="with --render-doc: another finished run's folder (e.g. another budget), one section each")
     parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=None,
                         help=f"default: {' '.join(defaults.arms)}")
     parser.add_argument("--size", choices=list(SIZES), default=None, help=f"decoder size (default: {defaults.size})")
@@ -662,6 +684,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--render-doc" in argv[1:]:
         args = build_parser().parse_args(argv[1:])
         config = config_from_args(args)
-        print(f"wrote {render_doc(Path(config.out_dir) / 'results.json', args.doc)}")
+        runs = [config.out_dir, *args.also]
+        print(f"wrote {render_doc([Path(out) / 'results.json' for out in runs], args.doc)}")
         return 0
     return run_experiment_command("compositional", argv, build_parser, config_from_args, run)

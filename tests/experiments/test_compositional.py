@@ -92,6 +92,11 @@ def test_the_doc_is_rendered_from_results_json(smoke, tmp_path):
     assert (tmp_path / experiment.DOC_PLOT).is_file()
     with pytest.raises(ValueError, match="smoke"):  # a smoke run never becomes the recorded doc
         experiment.render_doc(Path(settings.out_dir) / "results.json")
+    # two runs (e.g. two budgets) are two sections; a hand-written reading survives a new render
+    doc.write_text(text + "\n## Reading\n\nwritten by hand\n")
+    experiment.render_doc([Path(settings.out_dir) / "results.json"] * 2, doc)
+    again = doc.read_text()
+    assert again.count("## Budget") == 2 and again.endswith("## Reading\n\nwritten by hand\n")
 
 
 def test_the_command_line_takes_the_smoke_mode_and_options():
