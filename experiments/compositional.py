@@ -79,10 +79,10 @@ class CompositionalConfig:
     batch_size: int = 8
     flops_budget: float = 1.6e13  # training FLOPs of every arm (chameleon at the demo size: ~1,270 steps)
     # evaluation (evaluation.base.EvalSettings)
-    samples_per_prompt: int = 4
+    samples_per_prompt: int = 10  # 12 x 10 = 120 images per skill: a standard error of at most 4.6 points
     prompts_per_skill: int = 12
-    understanding_items: int = 150
-    text_documents: int = 100
+    understanding_items: int = 300
+    text_documents: int = 200
     denoising_steps: int = 25
     cfg_scale: float = 3.0
     eval_batch_size: int = 32
