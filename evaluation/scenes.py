@@ -43,6 +43,12 @@ def round_trip(tokenizer: Any, images: list[np.ndarray], batch_size: int = 64) -
     return out
 
 
+def _random_training_prompt(rng: np.random.Generator) -> Any:
+    """A training caption: a skill, then one of its trained captions, uniformly (as the training documents draw)."""
+    pool = world.training_prompts(world.SKILLS[int(rng.integers(len(world.SKILLS)))])
+    return pool[int(rng.integers(len(pool)))]
+
+
 def _reads(prompt: Any, image: np.ndarray) -> bool:
     return bool(checker.satisfies(prompt, checker.read_scene(image)))
 
@@ -101,6 +107,10 @@ class SceneSuite(Suite):
         reference = [world.render(world.scene_for(p, rng)) for p in repeated]
         context.progress(f"eval scenes: reading {len(truth)} ground-truth scenes and their reconstructions")
         reconstructed = round_trip(context.media_tokenizer, truth)
+        # the floor: a scene of a random training caption, the caption asked for ignored (what a model that draws
+        # plausible scenes but does not read the prompt would score)
+        blind = [world.render(world.scene_for(_random_training_prompt(rng), rng)) for _ in repeated]
+        blind_ok = np.array([_reads(p, im) for p, im in zip(repeated, blind)])
         truth_ok = np.array([_reads(p, im) for p, im in zip(repeated, truth)])
         recon_ok = np.array([_reads(p, im) for p, im in zip(repeated, reconstructed)])
         made = np.zeros(len(repeated), dtype=bool)
@@ -127,7 +137,8 @@ class SceneSuite(Suite):
                              "made_image": float(made[rows].mean()) if writes else None,
                              "count": int(rows.sum()), "captions": int(len({p.caption for p in np.array(repeated)[rows]})),
                              "ceiling_ground_truth": float(truth_ok[rows].mean()),
-                             "ceiling_reconstruction": ceiling, "ranked": ceiling >= RANKED_CEILING}
+                             "ceiling_reconstruction": ceiling, "ranked": ceiling >= RANKED_CEILING,
+                             "floor_caption_blind": float(blind_ok[rows].mean())}
         ranked = [v["accuracy"] for v in skills.values() if v["ranked"] and v["accuracy"] is not None]
         result: dict[str, Any] = {"generation": skills,
                                   "generation_score": float(np.mean(ranked)) if ranked else None,

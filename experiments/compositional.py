@@ -484,8 +484,8 @@ def results_markdown(record: dict, plot: str = "plots/skills.png") -> str:
     """The results as Markdown: generation per skill and arm with the ceilings, then one row per arm."""
     arms = record["arms"]
     names = list(arms)
-    lines = ["| skill | " + " | ".join(f"{a}: accuracy (ceiling: truth / recon.)" for a in names) + " |",
-             "|---" * (len(names) + 1) + "|"]
+    lines = ["| skill | caption-blind floor | " + " | ".join(f"{a}: accuracy (ceiling: truth / recon.)" for a in names)
+             + " |", "|---" * (len(names) + 2) + "|"]
     for skill in skills_of(record):
         cells = []
         ranked_any = False
@@ -498,8 +498,10 @@ def results_markdown(record: dict, plot: str = "plots/skills.png") -> str:
             mark = "" if s.get("ranked") else " (unranked)"
             cells.append(f"{_pct(s.get('accuracy'))} ({_pct(s.get('ceiling_ground_truth'))} / "
                          f"{_pct(s.get('ceiling_reconstruction'))}){mark}")
-        lines.append(f"| {skill}{' *' if ranked_any else ''} | " + " | ".join(cells) + " |")
-    lines.append("| **generation score** (ranked skills) | "
+        floors = [(arms[a]["figures"].get("generation") or {}).get(skill, {}).get("floor_caption_blind") for a in names]
+        floor = next((f for f in floors if f is not None), None)  # the same draw for every arm (the suite's seed)
+        lines.append(f"| {skill}{' *' if ranked_any else ''} | {_pct(floor)} | " + " | ".join(cells) + " |")
+    lines.append("| **generation score** (ranked skills) | | "
                  + " | ".join(_pct(arms[a]["figures"].get("generation_score")) for a in names) + " |")
     from data_shards.scenes import QUESTION_KINDS
 
@@ -532,7 +534,8 @@ def results_markdown(record: dict, plot: str = "plots/skills.png") -> str:
               f"({', '.join(f'{k} {v:,}' for k, v in sorted(record['data'].get('kinds', {}).items()))}).",
               "", "Accuracy: the fraction of generated images the scene checker reads as satisfying the held-out "
               "caption; ceilings: the checker on the captions' ground-truth scenes and on their round trip through "
-              "the arm's image tokenizer; `*`: ranked skills (reconstruction ceiling high enough to rank models). "
+              "the arm's image tokenizer; caption-blind floor: scenes of random training captions checked against "
+              "the caption asked for; `*`: ranked skills (reconstruction ceiling high enough to rank models). "
               f"Eval: {config['prompts_per_skill']} prompts x {config['samples_per_prompt']} samples per skill, "
               f"cfg {config['cfg_scale']}, {config['denoising_steps']} DDIM steps (transfusion), "
               f"{config['understanding_items']} questions, {config['text_documents']} text documents, seed "

@@ -56,6 +56,7 @@ def test_every_skill_is_scored_with_its_ceilings_and_repeats_for_the_same_seed(w
         assert 0.0 <= row["accuracy"] <= 1.0 and 0.0 <= row["made_image"] <= 1.0
         # an untrained tokenizer's reconstructions are mush: no skill can be ranked on them
         assert row["ranked"] == (row["ceiling_reconstruction"] >= RANKED_CEILING)
+        assert 0.0 <= row["floor_caption_blind"] < 1.0
     assert figures["understanding"]["items"] == SETTINGS.understanding_items
     assert set(figures["understanding"]) == {"count", "colour", "position", "overall", "items"}
     assert all(0.0 <= figures["understanding"][k] <= 1.0 for k in ("count", "colour", "position", "overall"))
