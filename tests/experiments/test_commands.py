@@ -12,9 +12,10 @@ from fusion_model import cli
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_the_table_is_the_cli_layers_followed_by_demo_and_experiment():
+def test_the_table_is_the_cli_layers_followed_by_eval_demo_and_experiment():
     assert list(commands.SUBCOMMANDS) == ["vocab", "tokenizer", "shards", "fit", "plan", "generate", "convert",
-                                          "demo", "experiment"]
+                                          "eval", "demo", "experiment"]
+    assert commands.SUBCOMMANDS["eval"][0] == "evaluation.cli"  # the installed evaluation package's command
     assert {name: commands.SUBCOMMANDS[name] for name in cli.SUBCOMMANDS} == cli.SUBCOMMANDS
     assert all(module.startswith("fusion_model.cli.") for module, _ in cli.SUBCOMMANDS.values())
 
@@ -23,9 +24,9 @@ def test_help_lists_every_command_and_unknown_names_them_all(capsys):
     assert commands.main(["--help"]) == 0
     out = capsys.readouterr().out
     assert all(f"  {name} " in out for name in commands.SUBCOMMANDS)
-    assert out.index("  convert ") < out.index("  demo ") < out.index("  experiment ")
+    assert out.index("  convert ") < out.index("  eval ") < out.index("  demo ") < out.index("  experiment ")
     assert commands.main(["nope"]) == 2
-    assert capsys.readouterr().err.rstrip().endswith("convert, demo, experiment")
+    assert capsys.readouterr().err.rstrip().endswith("convert, eval, demo, experiment")
 
 
 def test_train_py_runs_the_whole_table_and_the_console_script_the_pipeline():
