@@ -539,7 +539,8 @@ def results_markdown(record: dict, plot: str = "plots/skills.png") -> str:
               f"Eval: {config['prompts_per_skill']} prompts x {config['samples_per_prompt']} samples per skill, "
               f"cfg {config['cfg_scale']}, {config['denoising_steps']} DDIM steps (transfusion), "
               f"{config['understanding_items']} questions, {config['text_documents']} text documents, seed "
-              f"{config['seed']}. {record['minutes']:.1f} minutes on {record['threads']} thread(s).",
+              f"{config['seed']}. This invocation: {record['minutes']:.1f} minutes on {record['threads']} thread(s) "
+              "(stages it reused not counted).",
               "", f"![accuracy per skill]({plot})"]
     return "\n".join(lines) + "\n"
 
