@@ -14,7 +14,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("experiments.demo.pipeline", "run the end-to-end demo on built-in offline data, with a report"),
     # the experiments' own registry names them: a new experiment is one module and one line there
     "experiment": ("experiments.run",
-                   "on the demo's data: " + ", ".join(f"{what} ({name})" for name, (_, what) in EXPERIMENTS.items())),
+                   "the experiments: " + ", ".join(f"{what} ({name})" for name, (_, what) in EXPERIMENTS.items())),
 }
 
 
