@@ -35,8 +35,8 @@ class EvalSettings:
     denoising_steps: int = field(default=50, metadata=_help("DDIM steps per image, for families that denoise "
                                                             "(transfusion); ignored by families that sample codes"))
     samples_per_prompt: int = field(default=4, metadata=_help("images generated for each prompt"))
-    prompts_per_skill: int = field(default=25, metadata=_help("generation prompts per skill (the suite's held-out "
-                                                              "captions, cycled when it has fewer)"))
+    prompts_per_skill: int = field(default=25, metadata=_help("prompts per skill (scenes: held-out captions, cycled "
+                                                              "when a skill has fewer; digits: arithmetic problems)"))
     understanding_items: int = field(default=200, metadata=_help("held-out images the model answers questions "
                                                                  "about"))
     text_documents: int = field(default=200, metadata=_help("held-out text documents of the text loss"))
