@@ -19,7 +19,8 @@ from fusion_model.families.loading import LoadedFamily
 PROGRESS_SECONDS = 30.0  # at most this long between progress lines while sampling
 
 
-def _help(text: str) -> dict[str, str]:
+def help_metadata(text: str) -> dict[str, str]:
+    """A dataclass field's metadata carrying its `train.py eval` option's help (suites' Options use it too)."""
     return {"help": text}
 
 
@@ -27,21 +28,21 @@ def _help(text: str) -> dict[str, str]:
 class EvalSettings:
     """How a suite samples and how much it scores; every field is a `train.py eval` option (its help below)."""
 
-    seed: int = field(default=0, metadata=_help("seed of every sampled image and of the suite's prompts; the same "
+    seed: int = field(default=0, metadata=help_metadata("seed of every sampled image and of the suite's prompts; the same "
                                                 "seed and settings give the same results.json"))
-    temperature: float = field(default=1.0, metadata=_help("image temperature (text answers are greedy)"))
-    top_k: int = field(default=0, metadata=_help("image top-k (0: off)"))
-    cfg_scale: float = field(default=3.0, metadata=_help("classifier-free guidance scale of images (1: none)"))
-    denoising_steps: int = field(default=50, metadata=_help("DDIM steps per image, for families that denoise "
+    temperature: float = field(default=1.0, metadata=help_metadata("image temperature (text answers are greedy)"))
+    top_k: int = field(default=0, metadata=help_metadata("image top-k (0: off)"))
+    cfg_scale: float = field(default=3.0, metadata=help_metadata("classifier-free guidance scale of images (1: none)"))
+    denoising_steps: int = field(default=50, metadata=help_metadata("DDIM steps per image, for families that denoise "
                                                             "(transfusion); ignored by families that sample codes"))
-    samples_per_prompt: int = field(default=4, metadata=_help("images generated for each prompt"))
-    prompts_per_skill: int = field(default=25, metadata=_help("prompts per skill (scenes: held-out captions, cycled "
+    samples_per_prompt: int = field(default=4, metadata=help_metadata("images generated for each prompt"))
+    prompts_per_skill: int = field(default=25, metadata=help_metadata("prompts per skill (scenes: held-out captions, cycled "
                                                               "when a skill has fewer; digits: arithmetic problems)"))
-    understanding_items: int = field(default=200, metadata=_help("held-out images the model answers questions "
+    understanding_items: int = field(default=200, metadata=help_metadata("held-out images the model answers questions "
                                                                  "about"))
-    text_documents: int = field(default=200, metadata=_help("held-out text documents of the text loss"))
-    batch_size: int = field(default=32, metadata=_help("prompts per sampling batch"))
-    device: str = field(default="cpu", metadata=_help("cpu or cuda"))
+    text_documents: int = field(default=200, metadata=help_metadata("held-out text documents of the text loss"))
+    batch_size: int = field(default=32, metadata=help_metadata("prompts per sampling batch"))
+    device: str = field(default="cpu", metadata=help_metadata("cpu or cuda"))
 
     def __post_init__(self) -> None:
         for name in ("samples_per_prompt", "prompts_per_skill", "batch_size", "denoising_steps"):
@@ -143,6 +144,17 @@ class EvalContext:
             total += float(out["text_loss"]) * n
             count += n
         return total / max(count, 1)
+
+
+@torch.no_grad()
+def round_trip_pixels(tokenizer: Any, pixels: torch.Tensor, device: str = "cpu", batch_size: int = 64) -> torch.Tensor:
+    """Float images (N, 3, H, W) in [-1, 1] through the image tokenizer and back (codes or latents), clamped, on the
+    CPU: what a perfect model of the tokenizer's tokens would show (the suites' reconstruction floors)."""
+    out = []
+    for start in range(0, len(pixels), batch_size):
+        batch = pixels[start:start + batch_size].to(device)
+        out.append(tokenizer.decode(tokenizer.encode(batch)).float().clamp(-1, 1).cpu())
+    return torch.cat(out)
 
 
 def first_image(segments: list[Any]) -> Image.Image | None:

@@ -29,7 +29,16 @@ import torch
 from PIL import Image
 
 from evaluation import digits_data as data
-from evaluation.base import EvalContext, PageSample, Suite, SuiteResult, first_image, text_of
+from evaluation.base import (
+    EvalContext,
+    PageSample,
+    Suite,
+    SuiteResult,
+    first_image,
+    help_metadata,
+    round_trip_pixels,
+    text_of,
+)
 from evaluation.frechet import diversity_or_none, frechet_or_none
 
 PARTS = ("understanding", "generation", "distribution", "interleaved", "text")
@@ -38,24 +47,20 @@ SUM_TEXT_TOKENS = 24  # room for the worded sum before the answer image
 SHOWN = 24  # page rows per group
 
 
-def _help(text: str) -> dict[str, str]:
-    return {"help": text}
-
-
 @dataclass(frozen=True)
 class DigitOptions:
     """What the digits suite needs besides the checkpoint: the finished demo (its classifier) and its split."""
 
-    demo_dir: str = field(default="", metadata=_help("a finished demo's folder (python train.py demo): the classifier "
+    demo_dir: str = field(default="", metadata=help_metadata("a finished demo's folder (python train.py demo): the classifier "
                                                      "it trained (generate/classifier.pt) reads the digits"))
-    classifier: str = field(default="", metadata=_help("the classifier's state_dict (default: "
+    classifier: str = field(default="", metadata=help_metadata("the classifier's state_dict (default: "
                                                        "<demo-dir>/generate/classifier.pt)"))
-    held_out: int = field(default=500, metadata=_help("held-out digits of the demo's split (its data.held_out: 500 "
+    held_out: int = field(default=500, metadata=help_metadata("held-out digits of the demo's split (its data.held_out: 500 "
                                                       "for the full preset, 200 for smoke)"))
-    split_seed: int = field(default=0, metadata=_help("the seed of the demo's split (its seed)"))
-    parts: str = field(default=",".join(PARTS), metadata=_help(f"comma-separated figures to compute, of {PARTS} "
+    split_seed: int = field(default=0, metadata=help_metadata("the seed of the demo's split (its seed)"))
+    parts: str = field(default=",".join(PARTS), metadata=help_metadata(f"comma-separated figures to compute, of {PARTS} "
                                                                "(distribution needs generation)"))
-    plain_sampling: bool = field(default=False, metadata=_help("also sample every caption at temperature 1 without "
+    plain_sampling: bool = field(default=False, metadata=help_metadata("also sample every caption at temperature 1 without "
                                                                "top-k or guidance and score its distribution"))
 
     def chosen_parts(self) -> tuple[str, ...]:
@@ -99,6 +104,15 @@ def balanced_split(labels: np.ndarray, per_class: int, rng: np.random.Generator)
     subset = np.concatenate([rng.choice(np.flatnonzero(labels == d), min(per_class, int((labels == d).sum())),
                                         replace=False) for d in np.unique(labels)])
     return np.sort(subset), np.setdiff1d(np.arange(len(labels)), subset)
+
+
+def read_digits(classifier, images: list[Image.Image | None], targets: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Which rows made an image, the digit the classifier reads in each (-1: none) and whether it is the target."""
+    made = np.array([image is not None for image in images])
+    predicted = np.full(len(targets), -1)
+    if made.any():
+        predicted[made] = classifier.predict(pixels([im for im in images if im is not None])).numpy()
+    return made, predicted, (predicted == targets) & made
 
 
 def _text_before_image(segments: list[Any]) -> str:
@@ -190,11 +204,7 @@ class DigitSuite(Suite):
                                   cfg_scale=cfg_scale)
         outputs, _ = context.sample([[data.caption_prompt(int(d))] for d in targets], config)
         images = [first_image(out) for out in outputs]
-        made = np.array([image is not None for image in images])
-        predicted = np.full(len(targets), -1)
-        if made.any():
-            predicted[made] = classifier.predict(pixels([im for im in images if im is not None])).numpy()
-        correct = (predicted == targets) & made
+        made, predicted, correct = read_digits(classifier, images, targets)
         per_digit = {data.DIGIT_WORDS[d]: float(correct[targets == d].mean()) for d in range(10)}
         return {"targets": targets, "images": images, "made": made, "predicted": predicted, "correct": correct,
                 "figures": {"accuracy": float(correct.mean()), "count": len(targets), "made_image": float(made.mean()),
@@ -218,7 +228,7 @@ class DigitSuite(Suite):
         subset, rest = balanced_split(labels, s.samples_per_prompt, np.random.default_rng(s.seed + 4))
         reference = features[rest]
         context.progress(f"eval digits: reconstructing {len(labels)} held-out digits with the image tokenizer")
-        reconstructed = self._round_trip(context, real)
+        reconstructed = round_trip_pixels(context.media_tokenizer, real, context.settings.device, batch_size=250)
         result: dict[str, Any] = {
             "feature_space": "evaluation.digit_classifier.DigitClassifier.penultimate_features (128)",
             "frechet_distance": None, "diversity": None,
@@ -247,16 +257,6 @@ class DigitSuite(Suite):
         return {"frechet_distance": frechet_or_none(features, reference),
                 "diversity": diversity_or_none(features, generated["targets"][made])}
 
-    @staticmethod
-    @torch.no_grad()
-    def _round_trip(context: EvalContext, images: torch.Tensor, batch_size: int = 250) -> torch.Tensor:
-        """Each image through the checkpoint's image tokenizer and back (codes or latents)."""
-        tokenizer, out = context.media_tokenizer, []
-        for start in range(0, len(images), batch_size):
-            batch = images[start:start + batch_size].to(context.settings.device)
-            out.append(tokenizer.decode(tokenizer.encode(batch)).float().clamp(-1, 1).cpu())
-        return torch.cat(out)
-
     # ---------------------------------------------------------------- interleaved arithmetic
     def _interleaved(self, context: EvalContext, classifier, real: torch.Tensor, labels: np.ndarray,
                      samples: list[PageSample]) -> dict[str, Any]:
@@ -277,11 +277,7 @@ class DigitSuite(Suite):
         outputs, _ = context.sample(prompts, config)
         answers = pairs.sum(axis=1)
         images = [first_image(out) for out in outputs]
-        made = np.array([image is not None for image in images])
-        predicted = np.full(len(answers), -1)
-        if made.any():
-            predicted[made] = classifier.predict(pixels([im for im in images if im is not None])).numpy()
-        correct = (predicted == answers) & made
+        made, predicted, correct = read_digits(classifier, images, answers)
         texts = [_text_before_image(out) for out in outputs]
         worded = np.array([data.parse_digit(t) == int(c) for t, c in zip(texts, answers)])
         for i in range(min(SHOWN, len(prompts))):

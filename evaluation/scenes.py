@@ -20,7 +20,15 @@ from PIL import Image
 
 from data_shards import scenes as world
 from evaluation import scene_checker as checker
-from evaluation.base import EvalContext, PageSample, Suite, SuiteResult, first_image, text_of
+from evaluation.base import (
+    EvalContext,
+    PageSample,
+    Suite,
+    SuiteResult,
+    first_image,
+    round_trip_pixels,
+    text_of,
+)
 from evaluation.frechet import diversity_or_none, frechet_or_none
 
 RANKED_CEILING = 0.9  # a skill is ranked only where the tokenizer's reconstructions read at least this well
@@ -31,16 +39,11 @@ def _as_array(image: Image.Image | np.ndarray) -> np.ndarray:
     return np.asarray(image.convert("RGB")) if isinstance(image, Image.Image) else np.asarray(image)
 
 
-def round_trip(tokenizer: Any, images: list[np.ndarray], batch_size: int = 64) -> list[np.ndarray]:
+def round_trip(tokenizer: Any, images: list[np.ndarray], batch_size: int = 64, device: str = "cpu") -> list[np.ndarray]:
     """Each uint8 (H, W, 3) image through the image tokenizer and back (codes or latents), as uint8."""
-    out: list[np.ndarray] = []
-    for start in range(0, len(images), batch_size):
-        pixels = torch.from_numpy(np.stack(images[start:start + batch_size])).permute(0, 3, 1, 2).float()
-        with torch.no_grad():
-            decoded = tokenizer.decode(tokenizer.encode(pixels / 127.5 - 1.0))
-        uint8 = ((decoded.float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1)
-        out += list(uint8.cpu().numpy())
-    return out
+    pixels = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+    decoded = round_trip_pixels(tokenizer, pixels, device, batch_size)
+    return list(((decoded + 1) * 127.5).round().to(torch.uint8).permute(0, 2, 3, 1).numpy())
 
 
 def _random_training_prompt(rng: np.random.Generator) -> Any:
@@ -106,7 +109,7 @@ class SceneSuite(Suite):
         # a second draw of the same captions: the reference every Fréchet distance is measured against
         reference = [world.render(world.scene_for(p, rng)) for p in repeated]
         context.progress(f"eval scenes: reading {len(truth)} ground-truth scenes and their reconstructions")
-        reconstructed = round_trip(context.media_tokenizer, truth)
+        reconstructed = round_trip(context.media_tokenizer, truth, device=context.settings.device)
         # the floor: a scene of a random training caption, the caption asked for ignored (what a model that draws
         # plausible scenes but does not read the prompt would score)
         blind = [world.render(world.scene_for(_random_training_prompt(rng), rng)) for _ in repeated]
@@ -135,7 +138,7 @@ class SceneSuite(Suite):
             ceiling = float(recon_ok[rows].mean())
             skills[skill] = {"accuracy": float(correct[rows].mean()) if writes else None,
                              "made_image": float(made[rows].mean()) if writes else None,
-                             "count": int(rows.sum()), "captions": int(len({p.caption for p in np.array(repeated)[rows]})),
+                             "count": int(rows.sum()), "captions": len({p.caption for p in repeated if p.skill == skill}),
                              "ceiling_ground_truth": float(truth_ok[rows].mean()),
                              "ceiling_reconstruction": ceiling, "ranked": ceiling >= RANKED_CEILING,
                              "floor_caption_blind": float(blind_ok[rows].mean())}
