@@ -146,7 +146,9 @@ class LateFusionFamily(Family):
             rows.append(ids)
             features.append(feats)
             masks.append(mask)
-        bound = BoundImages(self.late, torch.cat(features), torch.cat(masks))
+        # a prompt without images adds none (its empty slice may be shaped unlike the others': leave it out)
+        kept = [(f, m) for f, m in zip(features, masks) if len(f)] or [(features[0], masks[0])]
+        bound = BoundImages(self.late, torch.cat([f for f, _ in kept]), torch.cat([m for _, m in kept]))
         if not bound.supports_kv_cache:
             if config.compile:
                 raise ValueError(f"--compile needs the KV cache, which a {self.name} checkpoint cannot use (its text "

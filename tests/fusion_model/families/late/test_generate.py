@@ -76,6 +76,20 @@ def test_the_cached_prefill_and_decode_give_the_full_recomputes_tokens(files):
         assert all(len(ids) > 0 for ids in results[0])
 
 
+@pytest.mark.parametrize("family, options", [("llava", {"stage": 2}), ("flamingo", {"num_latents": 2, "depth": 1})])
+def test_a_batch_of_prompts_with_and_without_images_answers_each_as_alone(files, family, options):
+    from tokenizer.vocab import UnifiedVocab
+
+    vocab = UnifiedVocab.load(files / "tokenizer.json")
+    tokenizer = ImageTokenizer.from_pretrained(files / "vq")
+    loaded = load_family(late_checkpoint(files, family, **options))
+    prompts = [["what comes after three?"], [files / "photo.png", "the cat"]]
+    config = SamplingConfig(mode="text", max_new_tokens=6, text_temperature=0)
+    together = loaded.family.generate(loaded.parts, vocab, tokenizer, prompts, config)[1]
+    alone = [loaded.family.generate(loaded.parts, vocab, tokenizer, [prompt], config)[1][0] for prompt in prompts]
+    assert together == alone
+
+
 def test_another_image_tokenizer_or_an_image_mode_is_refused_in_one_line(files, tmp_path, capsys):
     checkpoint = late_checkpoint(files, "llava", stage=1)
     base = ["generate", "--checkpoint", checkpoint, "--vocab", str(files / "tokenizer.json"), "--image",
