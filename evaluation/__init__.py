@@ -1,5 +1,6 @@
 """Evaluation suites every checkpoint can be scored by (`train.py eval`): the registry of suites by name, the
-scene world's checker, the digits' classifier and the distribution figures."""
+scene world's checker, the digits' classifier, the clip world and its checker (the `clips` suite: text-to-video,
+read back for colour, shape and direction) and the distribution figures."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Any
 BUILTIN_SUITES: dict[str, str] = {
     "scenes": "evaluation.scenes:SceneSuite",
     "digits": "evaluation.digits:DigitSuite",
+    "chat": "evaluation.chat:ChatSuite",
+    "clips": "evaluation.clips:ClipSuite",
 }
 
 

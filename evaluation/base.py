@@ -37,7 +37,8 @@ class EvalSettings:
                                                             "(transfusion); ignored by families that sample codes"))
     samples_per_prompt: int = field(default=4, metadata=help_metadata("images generated for each prompt"))
     prompts_per_skill: int = field(default=25, metadata=help_metadata("prompts per skill (scenes: held-out captions, cycled "
-                                                              "when a skill has fewer; digits: arithmetic problems)"))
+                                                              "when a skill has fewer; digits: arithmetic problems; "
+                                                              "chat: conversations per category)"))
     understanding_items: int = field(default=200, metadata=help_metadata("held-out images the model answers questions "
                                                                  "about"))
     text_documents: int = field(default=200, metadata=help_metadata("held-out text documents of the text loss"))
@@ -98,9 +99,11 @@ class EvalContext:
         config_class = self.loaded.family.sampling_config
         names = {f.name for f in fields(config_class)}
         s = self.settings
-        # guidance acts on image tokens only; a text answer samples without it (late fusion refuses it)
+        # guidance acts on image tokens only (an interleaved answer's text is unguided either way); a text answer,
+        # or any answer of a family that writes no images, samples without it (late fusion refuses it)
+        guided = mode != "text" and self.can_make_images()
         chosen: dict[str, Any] = {"mode": mode, "image_temperature": s.temperature, "image_top_k": s.top_k,
-                                  "cfg_scale": s.cfg_scale if mode == "image" else 1.0, "text_temperature": 0.0,
+                                  "cfg_scale": s.cfg_scale if guided else 1.0, "text_temperature": 0.0,
                                   "seed": s.seed + seed}
         if "denoising_steps" in names:
             chosen["denoising_steps"] = s.denoising_steps

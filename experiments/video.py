@@ -1,8 +1,8 @@
 """`python train.py experiment video`: Emu3-style video tokens in an early-fusion decoder, offline (issue #32).
 
-Seeded synthetic clips (experiments.video_data: 4 colours x 3 shapes moving left/right/up/down, 8 frames of
-32x32, captions such as "a red square moving left"), with held-out clips of the trained caption triples and clips
-of triples no training clip shows. Per run:
+Seeded synthetic clips (the clip world, evaluation.clip_world: 4 colours x 3 shapes moving left/right/up/down, 8
+frames of 32x32, captions such as "a red square moving left"), with held-out clips of the trained caption triples and
+clips of triples no training clip shows. Per run:
 1. the video tokenizer (configs/tokenizer/video-demo-32.yaml: 8 frames -> 2 x 8 x 8 = 128 codes) is trained on
    the training clips through `train.py tokenizer fit`, and a per-frame 2-D VQ (the project's ImageTokenizer,
    demo-64's layout at 32 px -> 4 x 4 codes, so 8 frames are the same 128 codes, the same codebook size, steps
@@ -12,12 +12,14 @@ of triples no training clip shows. Per run:
    their clip) turn the clips into documents; a second set of shards has the same clips with their captions
    shuffled among them (the same documents, lengths and steps: the equal-compute control);
 3. `train.py fit --config configs/fusion/demo.yaml` trains one decoder on each for the same steps and seed;
-4. each samples one clip per held-out caption (`SamplingConfig(mode="video")`, the demo's temperature, top-k
-   and guidance), decoded by the video tokenizer and read by the independent checker (colour, shape, direction
-   from the centroid's motion): accuracy against chance, against the shuffled-caption model and against the
-   ground-truth clips through the tokenizer (the ceiling); and its held-out loss per video token against a
-   unigram of the training codes.
-Writes `<out>/results.json`, `<out>/results.md` and `<out>/samples.png`. Needs no demo.
+4. each arm's checkpoint is scored by the `clips` evaluation suite (`evaluation.run.evaluate(checkpoint, "clips")`,
+   what `train.py eval --suite clips` runs; the experiment samples and scores nothing itself): one clip per
+   held-out caption sampled through the family's `generate` in video mode with the demo's temperature, top-k and
+   guidance, read by the clip world's rule-based checker (colour, shape, direction from the centroid's motion),
+   against chance, the shuffled-caption model and the ground-truth clips through the tokenizer (the ceiling); and
+   the held-out loss per video token against a unigram of the training codes.
+Writes `<out>/results.json`, `<out>/results.md`, `<out>/samples.png` (the tokenizers' reconstructions) and each
+arm's `<out>/<arm>/eval/` (the suite's results.json, and index.html with every sampled clip). Needs no demo.
 """
 
 from __future__ import annotations
@@ -30,14 +32,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from common.files import atomic_write_json, atomic_write_text
-from experiments import video_data
+from evaluation import clip_world
 from experiments.demo.settings import REPO_ROOT
 from experiments.demo.stages import run_experiment_command
+
+if TYPE_CHECKING:
+    from evaluation.base import EvalSettings
+    from evaluation.clips import ClipOptions
 
 VIDEO_TOKENIZER_CONFIG = REPO_ROOT / "configs" / "tokenizer" / "video-demo-32.yaml"
 # Decoder sizes over the `demo` preset (d 128, 4 layers, 4 heads, FFN 384).
@@ -125,7 +132,7 @@ def train_video_tokenizer(config: VideoExperimentConfig, clip_dir: Path, folder:
 
 def frame_vq_overrides(codebook_size: int) -> dict:
     """demo-64's layout one level shorter: 32-px frames -> 4 x 4 codes of `codebook_size`."""
-    return {"image_size": video_data.SIZE, "channel_multiplier": (1, 2, 4, 8), "num_res_blocks": (0, 0, 1, 2),
+    return {"image_size": clip_world.SIZE, "channel_multiplier": (1, 2, 4, 8), "num_res_blocks": (0, 0, 1, 2),
             "decoder_res_blocks": (0, 0, 1, 2), "codebook_size": int(codebook_size)}
 
 
@@ -134,7 +141,7 @@ def train_frame_vq(config: VideoExperimentConfig, clips: np.ndarray, codebook_si
     clips per step (the same pixels per step), the same codebook size."""
     from tokenizer.image.train import fit_image_tokenizer
 
-    frames = video_data.to_model_clips(clips).flatten(0, 1)
+    frames = clip_world.to_model_clips(clips).flatten(0, 1)
     tokenizer, info = fit_image_tokenizer(
         frames, preset="demo-64", batch_size=config.tokenizer_batch * clips.shape[1], max_steps=config.tokenizer_steps,
         max_minutes=None, seed=config.seed, progress=False, log_dir=folder / "logs",
@@ -152,7 +159,7 @@ def frame_psnr(reconstructed: torch.Tensor, clips: torch.Tensor) -> np.ndarray:
 def path_psnr(reconstructed: torch.Tensor, clips: torch.Tensor) -> np.ndarray:
     """PSNR of every frame over the clip's path only (the pixels the shape covers in any frame; the black
     background elsewhere is easy for every method): (N, T)."""
-    bright = clips.amax(dim=2, keepdim=True) > 2 * video_data.FOREGROUND - 1  # (N, T, 1, H, W)
+    bright = clips.amax(dim=2, keepdim=True) > 2 * clip_world.FOREGROUND - 1  # (N, T, 1, H, W)
     path = bright.any(dim=1, keepdim=True).expand_as(clips).float()
     squared = (reconstructed.float().clamp(-1, 1) - clips.float()) ** 2 * path
     mse = (squared.sum(dim=(2, 3, 4)) / path.sum(dim=(2, 3, 4)).clamp_min(1)).clamp_min(1e-10)
@@ -191,7 +198,7 @@ def build_vocab(config: VideoExperimentConfig, bundle: Path, folder: Path, codeb
     """`train.py vocab --video`: a BPE of TEXT_IDS ids on every caption, the codebook, the video markers."""
     corpus = folder / "captions.txt"
     folder.mkdir(parents=True, exist_ok=True)
-    texts = sorted({video_data.caption(*t) for t in video_data.all_triples()})
+    texts = sorted({clip_world.caption(*t) for t in clip_world.all_triples()})
     corpus.write_text("\n".join(texts * 4) + "\n")
     from tokenizer.vocab import DEFAULT_NUM_SPECIALS
 
@@ -215,77 +222,7 @@ def write_shards(clip_dir: Path, folder: Path, vocab: Path, bundle: Path, seed: 
     return folder / "tokens"
 
 
-# ---------------------------------------------------------------- decoder: loss and samples
-
-
-def document_ids(vocab, caption: str, codes: torch.Tensor) -> list[int]:
-    """`<s> caption <bov> codes <eov> </s>`: a training document."""
-    return list(vocab.encode_document([caption, codes.cpu()], bos=True, eos=True))
-
-
-@torch.no_grad()
-def video_token_loss(model, vocab, captions: list[str], codes: torch.Tensor, batch: int = 32) -> float:
-    """Mean cross-entropy (nats) of the model's predictions of every clip code of the given documents (the
-    `<eov>` and text targets left out)."""
-    from tokenizer.layout import image_code_mask
-
-    rows = [torch.tensor(document_ids(vocab, c, g)) for c, g in zip(captions, codes)]
-    total, count = 0.0, 0
-    for start in range(0, len(rows), batch):
-        chunk = rows[start:start + batch]
-        length = max(len(r) for r in chunk)
-        ids = torch.full((len(chunk), length), vocab.pad_id, dtype=torch.long)
-        documents = torch.full((len(chunk), length), -1, dtype=torch.long)
-        for i, r in enumerate(chunk):
-            ids[i, :len(r)], documents[i, :len(r)] = r, 0
-        logits = model(ids, document_ids=documents)[:, :-1]
-        targets = ids[:, 1:]
-        is_code = image_code_mask(targets, vocab.image_offset, vocab.image_codes) & (documents[:, 1:] >= 0)
-        loss = torch.nn.functional.cross_entropy(logits[is_code], targets[is_code], reduction="sum")
-        total, count = total + float(loss), count + int(is_code.sum())
-    return total / max(count, 1)
-
-
-def unigram_loss(train_codes: torch.Tensor, held_out_codes: torch.Tensor, codebook_size: int) -> float:
-    """Cross-entropy (nats) of the held-out codes under the training codes' add-one unigram."""
-    counts = torch.bincount(train_codes.flatten(), minlength=codebook_size).double() + 1.0
-    log_p = torch.log(counts / counts.sum())
-    return float(-log_p[held_out_codes.flatten()].mean())
-
-
-@torch.no_grad()
-def sample_clips(model, vocab, video_tokenizer, captions: list[str], config: VideoExperimentConfig,
-                 batch: int = 32) -> tuple[np.ndarray, int]:
-    """One clip per caption (`mode="video"`), prompts of one caption batched together; returns uint8 frames
-    (N, T, H, W, 3) and how many came out incomplete (black clips, scored wrong by the checker)."""
-    from fusion_model.sampling import SamplingConfig
-    from fusion_model.sampling.generate import Clip, generate
-
-    t_frames = int(video_tokenizer.config.clip_frames)
-    side = int(video_tokenizer.config.image_size)
-    out = np.zeros((len(captions), t_frames, side, side, 3), dtype=np.uint8)
-    incomplete = 0
-    order = sorted(range(len(captions)), key=lambda i: captions[i])
-    for start in range(0, len(order), batch):
-        rows = order[start:start + batch]
-        sampling = SamplingConfig(mode="video", image_temperature=config.temperature, image_top_k=config.top_k,
-                                  cfg_scale=config.cfg_scale, seed=config.seed + start)
-        samples = generate(model, vocab, video_tokenizer, [[captions[i]] for i in rows], sampling)
-        for i, segments in zip(rows, samples):
-            clips = [s for s in segments if isinstance(s, Clip)]
-            if clips:
-                out[i] = clips[0].frames
-            else:
-                incomplete += 1
-    return out, incomplete
-
-
-def score_clips(frames: np.ndarray, specs: list[video_data.ClipSpec]) -> dict:
-    """The checker's accuracies of colour, shape, direction and all three."""
-    return video_data.score(video_data.check_clips(frames), specs)
-
-
-# ---------------------------------------------------------------- the experiment
+# ---------------------------------------------------------------- each arm: trained, then scored by the suite
 
 
 @dataclass
@@ -294,17 +231,41 @@ class _Context:
 
     config: VideoExperimentConfig
     out_dir: Path
-    vocab: object
-    video_tokenizer: object
-    split: video_data.VideoSplit
-    codes: dict[str, torch.Tensor]  # train / held_out / novel clip codes (N, t, h, w)
+    vocab: Path  # tokenizer.json
+    media_tokenizer: Path  # the video tokenizer bundle the shards were made with
     log: Callable[[str], None]
+
+
+def eval_settings(config: VideoExperimentConfig) -> EvalSettings:
+    """The `clips` suite's sampling settings: the demo's temperature, top-k and guidance, 32 prompts a batch (with
+    the seed, what fixes every batch's sampling seed)."""
+    from evaluation.base import EvalSettings
+
+    return EvalSettings(seed=config.seed, temperature=config.temperature, top_k=config.top_k,
+                        cfg_scale=config.cfg_scale, batch_size=32)
+
+
+def clip_options(config: VideoExperimentConfig) -> ClipOptions:
+    """The `clips` suite's options: the split this run trained on."""
+    from evaluation.clips import ClipOptions
+
+    return ClipOptions(split_seed=config.seed, train_clips=config.train_clips, held_out_clips=config.held_out_clips,
+                       novel_clips=config.novel_clips, novel_triples=config.novel_triples)
+
+
+def score_arm(ctx: _Context, checkpoint: str, out: Path) -> dict:
+    """The `clips` suite's figures of one arm's checkpoint (its results.json and index.html under `out`)."""
+    from evaluation.run import evaluate
+
+    results = evaluate(checkpoint, "clips", vocab=ctx.vocab, media_tokenizer=ctx.media_tokenizer, out=out,
+                       settings=eval_settings(ctx.config), options=clip_options(ctx.config),
+                       progress=lambda message: None)
+    return results["figures"]
 
 
 def train_and_score(ctx: _Context, arm: str, train_dir: Path) -> dict:
     """Train one decoder (or reuse a finished one) and score it."""
     from experiments.fusion import fit
-    from fusion_model.families.loading import load_family
 
     config = ctx.config
     extra = [f"--model.config.{key}={value}" for key, value in SIZES[config.size].items()]
@@ -314,42 +275,37 @@ def train_and_score(ctx: _Context, arm: str, train_dir: Path) -> dict:
               f"--trainer.log_every_n_steps={max(1, min(10, config.steps))}"]
     folder = ctx.out_dir / arm
     saved = folder / "record.json"
+    record = None
     if config.reuse and saved.is_file():
-        record = json.loads(saved.read_text())
-        if record["extra"] == extra and record["steps"] == config.steps and Path(record["last_checkpoint"]).is_file():
+        previous = json.loads(saved.read_text())
+        if (previous["extra"] == extra and previous["steps"] == config.steps
+                and Path(previous["last_checkpoint"]).is_file()):
             ctx.log(f"  {arm}: reusing the finished run")
-            return record
-    module, trained = fit(arm, ctx.out_dir, ctx.out_dir, train_dir, config.steps, config.seed, extra, ctx.log)
-    del module
-    model = load_family(trained["last_checkpoint"]).parts["model"].eval()
-    split, record = ctx.split, {**trained, "arm": arm, "size": config.size, "extra": extra,
-                                "parameters": sum(p.numel() for p in model.parameters())}
-    start = time.perf_counter()
-    for name, clips in (("held_out", split.held_out), ("novel", split.novel)):
-        frames, incomplete = sample_clips(model, ctx.vocab, ctx.video_tokenizer, clips.captions, config)
-        record[f"generation_{name}"] = {**score_clips(frames, clips.specs), "incomplete": incomplete}
-        np.save(folder / f"samples_{name}.npy", frames[:12], allow_pickle=False)
-        record[f"video_loss_{name}"] = video_token_loss(model, ctx.vocab, clips.captions, ctx.codes[name])
-    record["sampling_seconds"] = time.perf_counter() - start
-    atomic_write_json(saved, record)
-    g, n = record["generation_held_out"], record["generation_novel"]
-    ctx.log(f"  {arm}: held-out captions colour/shape/direction {g['colour']:.0%}/{g['shape']:.0%}/"
-            f"{g['direction']:.0%}, held-out triples {n['colour']:.0%}/{n['shape']:.0%}/{n['direction']:.0%}; "
-            f"loss per video token {record['video_loss_held_out']:.3f}")
+            record = previous
+    if record is None:
+        module, trained = fit(arm, ctx.out_dir, ctx.out_dir, train_dir, config.steps, config.seed, extra, ctx.log)
+        parameters = sum(p.numel() for part in module.parts.values() for p in part.parameters())
+        del module
+        record = {**trained, "arm": arm, "size": config.size, "extra": extra, "parameters": parameters}
+    if "suite" not in record:  # trained just now, or reused from a run scored before the suite existed
+        start = time.perf_counter()
+        figures = score_arm(ctx, record["last_checkpoint"], folder / "eval")
+        for name in ("held_out", "novel"):
+            record[f"generation_{name}"] = figures["generation"][name]
+            record[f"video_loss_{name}"] = figures["video_loss"][name]
+        record["suite"] = figures  # every figure of the suite (its results.json and page: <arm>/eval/)
+        record["sampling_seconds"] = time.perf_counter() - start
+        atomic_write_json(saved, record)
+    g, n = record["generation_held_out"], record["generation_novel"] or {}
+    ctx.log(f"  {arm}: held-out captions colour/shape/direction {_pct(g, 'colour')}/{_pct(g, 'shape')}/"
+            f"{_pct(g, 'direction')}, held-out triples {_pct(n, 'colour')}/{_pct(n, 'shape')}/"
+            f"{_pct(n, 'direction')}; loss per video token {record['video_loss_held_out']:.3f}")
     return record
-
-
-@torch.no_grad()
-def encode_all(video_tokenizer, clips: np.ndarray, batch: int = 64) -> torch.Tensor:
-    """(N, t, h, w) codes of uint8 clips."""
-    x = video_data.to_model_clips(clips)
-    return torch.cat([video_tokenizer.encode_clips(x[s:s + batch]) for s in range(0, len(x), batch)]).cpu()
 
 
 def run(config: VideoExperimentConfig, log: Callable[[str], None] = print) -> dict:
     """The whole experiment; returns (and writes) the results."""
     from tokenizer.bundle import load_media_tokenizer
-    from tokenizer.vocab import UnifiedVocab
 
     if config.size not in SIZES:
         raise ValueError(f"unknown size {config.size!r}; sizes are {list(SIZES)}")
@@ -364,15 +320,13 @@ def run(config: VideoExperimentConfig, log: Callable[[str], None] = print) -> di
         seconds[name] = time.perf_counter() - since
         return time.perf_counter()
 
-    log("[1/6] synthetic clips (seeded), the checker on ground truth")
-    split = video_data.make_split(config.train_clips, config.held_out_clips, config.novel_clips,
+    log("[1/6] synthetic clips (seeded)")
+    split = clip_world.make_split(config.train_clips, config.held_out_clips, config.novel_clips,
                                   config.novel_triples, config.seed)
     clip_root = out_dir / "clips"
     train_dir = write_clip_folder(clip_root / "train", split.train.clips, split.train.captions)
     shuffled_dir = write_clip_folder(clip_root / "train_shuffled", split.train.clips,
                                      shuffled_captions(split.train.captions, config.seed + 7))
-    ground_truth = {name: score_clips(getattr(split, name).clips, getattr(split, name).specs)
-                    for name in ("held_out", "novel")}
     t = lap("data", start)
 
     log("[2/6] tokenizers: video (train.py tokenizer fit) and per-frame 2-D VQ at the same codes per clip")
@@ -385,20 +339,17 @@ def run(config: VideoExperimentConfig, log: Callable[[str], None] = print) -> di
     codebook = int(video_tokenizer.config.codebook_size)
     frame_vq, frame_info = train_frame_vq(config, split.train.clips, codebook, out_dir / "frame_vq")
     t = lap("tokenizers", t)
-    held = video_data.to_model_clips(np.concatenate([split.held_out.clips, split.novel.clips]))
+    held = clip_world.to_model_clips(np.concatenate([split.held_out.clips, split.novel.clips]))
     recon = reconstructions(video_tokenizer, frame_vq, held)
     reconstruction = {name: {**psnr_summary(frame_psnr(x, held)),
                              "path_psnr_db": float(path_psnr(x, held).mean())} for name, x in recon.items()}
     reconstruction["codes_per_clip"] = codes_per_clip(video_tokenizer, frame_vq, split.train.clips.shape[1])
     reconstruction["codebook_size"] = codebook
     n_held = len(split.held_out)
-    ceiling = {"held_out": score_clips(video_data.to_uint8_clips(recon["video_tokenizer"][:n_held]),
-                                       split.held_out.specs),
-               "novel": score_clips(video_data.to_uint8_clips(recon["video_tokenizer"][n_held:]), split.novel.specs),
-               "frame_vq_held_out": score_clips(video_data.to_uint8_clips(recon["frame_vq"][:n_held]),
-                                                split.held_out.specs),
-               "repeat_first_frame_held_out": score_clips(
-                   video_data.to_uint8_clips(recon["repeat_first_frame"][:n_held]), split.held_out.specs)}
+    # the checker on the other reconstructions (the video tokenizer's is the suite's ceiling, read per arm)
+    baselines = {f"{name}_held_out": clip_world.score(clip_world.check_clips(recon[name][:n_held]),
+                                                      split.held_out.specs)
+                 for name in ("frame_vq", "repeat_first_frame")}
     log(f"  held-out per-frame PSNR: video tokenizer {reconstruction['video_tokenizer']['psnr_db']:.2f} dB, "
         f"per-frame VQ {reconstruction['frame_vq']['psnr_db']:.2f} dB, repeat the first frame "
         f"{reconstruction['repeat_first_frame']['psnr_db']:.2f} dB")
@@ -406,19 +357,17 @@ def run(config: VideoExperimentConfig, log: Callable[[str], None] = print) -> di
 
     log("[3/6] vocabulary (train.py vocab --video) and shards (shards write --video-folder, shards tokenize)")
     vocab_path = build_vocab(config, bundle, out_dir / "vocab", codebook)
-    vocab = UnifiedVocab.load(vocab_path)
     shards = {"captions": write_shards(train_dir, out_dir / "shards", vocab_path, bundle, config.seed),
               "shuffled": write_shards(shuffled_dir, out_dir / "shards_shuffled", vocab_path, bundle, config.seed)}
-    codes = {"train": encode_all(video_tokenizer, split.train.clips),
-             "held_out": encode_all(video_tokenizer, split.held_out.clips),
-             "novel": encode_all(video_tokenizer, split.novel.clips)}
-    unigram = {name: unigram_loss(codes["train"], codes[name], codebook) for name in ("held_out", "novel")}
     t = lap("vocab_and_shards", t)
 
-    log(f"[4/6] decoders (train.py fit, configs/fusion/demo.yaml, size {config.size}, {config.steps} steps each)")
-    ctx = _Context(config, out_dir, vocab, video_tokenizer, split, codes, log)
+    log(f"[4/6] decoders (train.py fit, configs/fusion/demo.yaml, size {config.size}, {config.steps} steps each), "
+        "each scored by the clips suite")
+    ctx = _Context(config, out_dir, vocab_path, out_dir / "tokenizer" / "model", log)
     runs = {arm: train_and_score(ctx, arm, shards[arm]) for arm in ARMS}
     t = lap("decoders", t)
+    # what does not depend on the arm (the split, the checker, the tokenizer), from the first arm's suite figures
+    shared = runs[ARMS[0]]["suite"]
 
     log("[5/6] figure")
     record = {"config": dataclasses.asdict(config), "out_dir": str(out_dir), "split": {
@@ -426,8 +375,8 @@ def run(config: VideoExperimentConfig, log: Callable[[str], None] = print) -> di
         "novel_triples": [" ".join(x) for x in split.novel_triples]},
         "reconstruction": reconstruction, "frame_vq": {k: v for k, v in frame_info.items()
                                                        if isinstance(v, (int, float, str))},
-        "checker_ground_truth": ground_truth, "ceiling": ceiling, "chance": video_data.CHANCE,
-        "unigram_loss": unigram, "runs": runs, "seconds": seconds, "threads": torch.get_num_threads()}
+        "checker_ground_truth": shared["checker_ground_truth"], "ceiling": {**shared["ceiling"], **baselines},
+        "chance": shared["chance"], "unigram_loss": shared["unigram_loss"], "runs": runs, "seconds": seconds, "threads": torch.get_num_threads()}
     record["figure"] = write_figure(out_dir, split, recon, n_held)
     lap("figure", t)
     record["minutes"] = (time.perf_counter() - start) / 60
@@ -443,10 +392,10 @@ def run(config: VideoExperimentConfig, log: Callable[[str], None] = print) -> di
 # ---------------------------------------------------------------- outputs
 
 
-def write_figure(out_dir: Path, split: video_data.VideoSplit, recon: dict[str, torch.Tensor], n_held: int,
+def write_figure(out_dir: Path, split: clip_world.VideoSplit, recon: dict[str, torch.Tensor], n_held: int,
                  shown: int = 4) -> str:
     """`samples.png`: frame strips of held-out clips (ground truth, video tokenizer, per-frame VQ, first frame
-    repeated) and the samples of each arm from their captions."""
+    repeated). Each arm's samples, with what the checker read, are on its suite page (`<arm>/eval/index.html`)."""
     from PIL import Image, ImageDraw
 
     from tokenizer.video.clips import frame_strip
@@ -455,13 +404,7 @@ def write_figure(out_dir: Path, split: video_data.VideoSplit, recon: dict[str, t
     for i in range(min(shown, n_held)):
         rows.append((f"truth: {split.held_out.captions[i]}", split.held_out.clips[i]))
         for name in ("video_tokenizer", "frame_vq", "repeat_first_frame"):
-            rows.append((f"  {name}", video_data.to_uint8_clips(recon[name][i:i + 1])[0]))
-    for arm in ARMS:
-        path = out_dir / arm / "samples_held_out.npy"
-        if path.is_file():
-            samples = np.load(path, allow_pickle=False)  # the first clips' samples, in the held-out order
-            for k in range(min(shown, len(samples))):
-                rows.append((f"{arm}: {split.held_out.captions[k]}", samples[k]))
+            rows.append((f"  {name}", clip_world.to_uint8_clips(recon[name][i:i + 1])[0]))
     strips = [frame_strip(frames) for _, frames in rows]
     label_width, scale = 260, 2
     width = label_width + max(s.width for s in strips) * scale
@@ -478,9 +421,13 @@ def write_figure(out_dir: Path, split: video_data.VideoSplit, recon: dict[str, t
     return str(path)
 
 
-def _pct(scores: dict, key: str) -> str:
-    value = scores.get(key)
+def _pct(scores: dict | None, key: str) -> str:
+    value = (scores or {}).get(key)
     return "n/a" if value is None or not np.isfinite(value) else f"{value:.1%}"
+
+
+def _nats(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
 
 
 def results_markdown(record: dict) -> str:
@@ -499,11 +446,11 @@ def results_markdown(record: dict) -> str:
     chance = record["chance"]
     for split_name, label in (("held_out", "held-out clips, trained triples"), ("novel", "held-out triples")):
         for arm in ARMS:
-            g = runs[arm][f"generation_{split_name}"]
-            lines.append(f"| {arm} model, {label} | {g['count']} | {_pct(g, 'colour')} | {_pct(g, 'shape')} | "
-                         f"{_pct(g, 'direction')} | {_pct(g, 'all')} | {g['incomplete']} |")
-        c = record["ceiling"][split_name]
-        lines.append(f"| ceiling: ground truth through the video tokenizer, {label} | {c['count']} | "
+            g = runs[arm][f"generation_{split_name}"] or {}  # None: the split had no clips
+            lines.append(f"| {arm} model, {label} | {g.get('count', 0)} | {_pct(g, 'colour')} | {_pct(g, 'shape')} | "
+                         f"{_pct(g, 'direction')} | {_pct(g, 'all')} | {g.get('incomplete', '-')} |")
+        c = record["ceiling"][split_name] or {}
+        lines.append(f"| ceiling: ground truth through the video tokenizer, {label} | {c.get('count', 0)} | "
                      f"{_pct(c, 'colour')} | {_pct(c, 'shape')} | {_pct(c, 'direction')} | {_pct(c, 'all')} | - |")
     for key, label in (("frame_vq_held_out", "(per-frame VQ reconstructions, held-out clips)"),
                        ("repeat_first_frame_held_out", "(first frame repeated, held-out clips)")):
@@ -517,9 +464,10 @@ def results_markdown(record: dict) -> str:
               f"{chance['all']:.1%} | - |", ""]
     lines += ["| held-out loss per video token (nats) | held-out clips | held-out triples |", "|---|---|---|"]
     for arm in ARMS:
-        lines.append(f"| {arm} model | {runs[arm]['video_loss_held_out']:.3f} | {runs[arm]['video_loss_novel']:.3f} |")
-    lines.append(f"| unigram of the training codes | {record['unigram_loss']['held_out']:.3f} | "
-                 f"{record['unigram_loss']['novel']:.3f} |")
+        lines.append(f"| {arm} model | {_nats(runs[arm]['video_loss_held_out'])} | "
+                     f"{_nats(runs[arm]['video_loss_novel'])} |")
+    unigram = record["unigram_loss"]
+    lines.append(f"| unigram of the training codes | {_nats(unigram['held_out'])} | {_nats(unigram['novel'])} |")
     config = record["config"]
     arm = runs[ARMS[0]]
     lines += ["", f"{record['split']['train_clips']} training clips; held-out triples: "
@@ -528,8 +476,10 @@ def results_markdown(record: dict) -> str:
               f"{config['steps']} steps of {config['batch_size']} x {config['seq_len']} ids, the same seed and "
               f"documents for both arms (shuffled: the same clips, captions permuted). Sampling: temperature "
               f"{config['temperature']}, top-k {config['top_k']}, guidance {config['cfg_scale']}. "
-              f"{record['minutes']:.1f} minutes on {record['threads']} thread(s).", "",
-              "![held-out clips and samples](samples.png)"]
+              f"{record['minutes']:.1f} minutes on {record['threads']} thread(s). Generation and loss: the `clips` "
+              f"suite on each arm's checkpoint ({', '.join(f'{a}/eval/' for a in ARMS)}: results.json, and "
+              "index.html with every sampled clip).", "",
+              "![held-out clips through each tokenizer](samples.png)"]
     return "\n".join(lines) + "\n"
 
 

@@ -1,5 +1,6 @@
 """`train.py experiment video`: its measurements against direct computations, and the smoke mode end to end
-(tokenizer fit -> vocab --video -> shards -> fit -> mode=video samples -> checker)."""
+(tokenizer fit -> vocab --video -> shards -> fit -> the `clips` suite on each arm; the suite's own figures are
+tested in tests/evaluation/test_clips_suite.py)."""
 
 from __future__ import annotations
 
@@ -9,24 +10,23 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-import torch
 
+from evaluation import clip_world
 from experiments import video as experiment
-from experiments import video_data
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the fixture is in conftest.py
 
 
 def test_psnr_per_frame_and_on_the_path():
-    clips = video_data.to_model_clips(video_data.make_clips(video_data.all_triples()[:2], 2, seed=0).clips)
+    clips = clip_world.to_model_clips(clip_world.make_clips(clip_world.all_triples()[:2], 2, seed=0).clips)
     assert np.all(experiment.frame_psnr(clips, clips) > 90)  # exact: capped by the 1e-10 floor
     noisy = clips + 0.1
     values = experiment.frame_psnr(noisy, clips)
-    assert values.shape == (2, video_data.FRAMES)
+    assert values.shape == (2, clip_world.FRAMES)
     assert np.allclose(values, 10 * math.log10(4.0 / 0.01), atol=0.05)  # every pixel off by 0.1 (none clamped)
     # the path is only where the shape goes: an error outside it does not count there
     outside = clips.clone()
-    path = (clips.amax(dim=2, keepdim=True) > 2 * video_data.FOREGROUND - 1).any(dim=1, keepdim=True)
+    path = (clips.amax(dim=2, keepdim=True) > 2 * clip_world.FOREGROUND - 1).any(dim=1, keepdim=True)
     outside[~path.expand_as(clips)] += 0.5
     assert np.all(experiment.path_psnr(outside, clips) > 90) and np.all(experiment.frame_psnr(outside, clips) < 30)
     repeated = clips[:, :1].expand_as(clips)
@@ -34,15 +34,8 @@ def test_psnr_per_frame_and_on_the_path():
     assert summary["per_frame_index_db"][0] > 90 > summary["per_frame_index_db"][-1]
 
 
-def test_unigram_loss_is_the_cross_entropy_of_add_one_counts():
-    train = torch.tensor([0, 0, 0, 1])
-    held = torch.tensor([0, 2])
-    p = np.array([4, 2, 1, 1]) / 8  # counts + 1 over 4 codes
-    assert experiment.unigram_loss(train, held, 4) == pytest.approx(-(math.log(p[0]) + math.log(p[2])) / 2)
-
-
 def test_shuffled_captions_keep_the_documents_and_move_the_captions():
-    captions = [video_data.caption(*t) for t in video_data.all_triples()] * 3
+    captions = [clip_world.caption(*t) for t in clip_world.all_triples()] * 3
     shuffled = experiment.shuffled_captions(captions, seed=7)
     assert sorted(shuffled) == sorted(captions)
     assert np.mean([a == b for a, b in zip(shuffled, captions)]) < 0.1
@@ -59,31 +52,6 @@ def test_the_per_frame_vq_spends_the_video_tokenizers_codes_per_clip():
     side = video.image_size // video.downsample_factor
     assert frame.image_size == video.image_size and frame.codebook_size == video.codebook_size == 512
     assert video.clip_frames * frame.grid_shape[0] * frame.grid_shape[1] == t * side * side == 128
-
-
-def test_the_loss_per_video_token_is_the_models_cross_entropy_on_the_clip_codes(tmp_path):
-    from fusion_model.config import FusionConfig
-    from fusion_model.model import FusionModel
-    from tokenizer.vocab import train_unified_vocab
-
-    texts = [video_data.caption(*t) for t in video_data.all_triples()]
-    vocab = train_unified_vocab(texts * 2, vocab_size=16 + 32 + 300, image_codes=32, video=True, min_frequency=1)
-    torch.manual_seed(0)
-    model = FusionModel(FusionConfig.from_preset("tiny", vocab_size=vocab.vocab_size, image_offset=vocab.image_offset,
-                                                 image_codes=32, max_seq_len=64)).eval()
-    codes = torch.randint(0, 32, (3, 2, 2, 2))
-    captions = texts[:3]
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for caption, grid in zip(captions, codes):
-            ids = torch.tensor(experiment.document_ids(vocab, caption, grid))
-            logits = model(ids[None])[0, :-1]
-            is_code = (ids[1:] >= vocab.image_offset) & (ids[1:] < vocab.image_offset + 32)
-            total += float(torch.nn.functional.cross_entropy(logits[is_code], ids[1:][is_code], reduction="sum"))
-            count += int(is_code.sum())
-    assert count == 3 * 8
-    # batched with padding (2 per batch) = one document at a time
-    assert experiment.video_token_loss(model, vocab, captions, codes, batch=2) == pytest.approx(total / count, rel=1e-5)
 
 
 def test_options_and_smoke_settings():
@@ -116,7 +84,7 @@ def test_smoke_run_measures_reconstruction_at_equal_codes(smoke):
     rec = record["reconstruction"]
     assert rec["codes_per_clip"] == {"video_tokenizer": 128, "frame_vq": 128}
     for name in ("video_tokenizer", "frame_vq", "repeat_first_frame"):
-        assert np.isfinite(rec[name]["psnr_db"]) and len(rec[name]["per_frame_index_db"]) == video_data.FRAMES
+        assert np.isfinite(rec[name]["psnr_db"]) and len(rec[name]["per_frame_index_db"]) == clip_world.FRAMES
     assert rec["repeat_first_frame"]["per_frame_index_db"][0] > 90  # the first frame is exact
     # the checker reads every ground-truth clip
     assert all(s["all"] == 1.0 for s in record["checker_ground_truth"].values())
@@ -135,6 +103,12 @@ def test_smoke_run_trains_both_arms_the_same_way_and_scores_them(smoke):
             assert g["count"] == count and 0 <= g["all"] <= g["direction"] <= 1
             assert np.isfinite(r[f"video_loss_{name}"]) and r[f"video_loss_{name}"] > 0
     assert all(np.isfinite(v) for v in record["unigram_loss"].values())
+    # every figure of both arms comes from the clips suite, whose results.json is in the arm's folder
+    for arm in ("captions", "shuffled"):
+        saved = json.loads(open(f"{settings.out_dir}/{arm}/eval/results.json").read())
+        assert saved["suite"] == "clips" and saved["figures"]["generation"]["held_out"] == runs[arm]["generation_held_out"]
+        assert saved["settings"]["cfg_scale"] == settings.cfg_scale and saved["options"]["split_seed"] == settings.seed
+    assert record["ceiling"]["held_out"] == runs["captions"]["suite"]["ceiling"]["held_out"]
 
 
 def test_smoke_run_writes_its_outputs(smoke):

@@ -1,4 +1,4 @@
-"""The video experiment's synthetic clips and its independent checker (experiments.video_data)."""
+"""The clip world of the `clips` suite: its seeded synthetic clips and its independent checker (evaluation.clip_world)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from experiments import video_data as v
+from evaluation import clip_world as v
 
 
 @pytest.fixture(scope="module")

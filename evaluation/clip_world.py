@@ -1,7 +1,8 @@
-"""The video experiment's data: seeded synthetic clips of coloured shapes moving in 4 directions, their captions,
-the held-out split (new clips, and colour+shape+direction triples never trained on), and an independent rule-based
-checker that reads colour, shape and direction back from pixels (no learned weights: it cannot share a model's
-mistakes)."""
+"""The clip world of the `clips` suite (and of the video experiment, which trains on it): seeded synthetic clips of
+coloured shapes moving in 4 directions, their captions, the held-out split (new clips, and colour+shape+direction
+triples never trained on), and an independent rule-based checker that reads colour, shape and direction back from
+pixels (no learned weights: it cannot share a model's mistakes). It reads every ground-truth clip right
+(tests/evaluation/test_clip_world.py)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ class ClipSpec:
 
     @property
     def triple(self) -> tuple[str, str, str]:
+        """(colour, shape, direction)."""
         return self.colour, self.shape, self.direction
 
 
@@ -116,9 +118,11 @@ class ClipSet:
 
     @property
     def captions(self) -> list[str]:
+        """Each clip's caption, in order."""
         return [s.caption for s in self.specs]
 
     def __len__(self) -> int:
+        """How many clips."""
         return len(self.specs)
 
 
