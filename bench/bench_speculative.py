@@ -23,10 +23,10 @@ from bench.harness import paired_result, time_rounds, write_result
 from evaluation.frechet import frechet_distance, per_group_diversity
 from experiments.demo.bookkeeping import read_marker
 from experiments.demo.datasets import caption_prompt, to_model_images
-from experiments.demo.evaluate import _image_codes, image_sampling
 from experiments.demo.settings import GenerateSettings, load_config
 from experiments.demo.stages import digits_for, load_decoder, load_image_tokenizer, load_vocab
-from fusion_model.sampling import generate_ids, speculative
+from fusion_model.sampling import SamplingConfig, generate_ids, speculative
+from fusion_model.sampling.generate import split_segments
 
 NAME = "speculative"
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -42,6 +42,24 @@ FULL_SAMPLES_PER_DIGIT = 100
 SMOKE_SAMPLES_PER_DIGIT = 2  # diversity needs two images of a caption
 # files of a finished demo run that this benchmark reads (stages.load_* and run_generate's classifier)
 RUN_FILES = ("train/model.ckpt", "vocab/tokenizer.json", "tokenizer/model/config.json", "generate/classifier.pt")
+
+
+def image_sampling(settings: GenerateSettings, grid: tuple[int, int], seed: int) -> SamplingConfig:
+    """Sampling settings for one generated image (temperature, top-k, CFG from the demo config)."""
+    return SamplingConfig(mode="image", image_temperature=settings.temperature, image_top_k=settings.top_k,
+                          cfg_scale=settings.cfg_scale, image_grid=grid, seed=seed)
+
+
+def image_codes(vocab, new_ids: list[list[int]], grid: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first generated image of each row as codes (N, h, w), and which rows produced a complete image (one that
+    `split_segments` keeps: closed by `<eoi>` after exactly h*w codes; zeros where none)."""
+    codes = torch.zeros(len(new_ids), *grid, dtype=torch.long)
+    complete = torch.zeros(len(new_ids), dtype=torch.bool)
+    for r, ids in enumerate(new_ids):
+        image = next((segment for segment in split_segments(ids, vocab, grid) if not isinstance(segment, str)), None)
+        if image is not None:
+            codes[r], complete[r] = image, True
+    return codes, complete
 
 
 def missing_run_message(run_dir: Path) -> str | None:
@@ -153,7 +171,7 @@ def measure_setting(model, vocab, image_tokenizer, classifier, settings: Generat
     for name in variants:
         record = raw[name]
         record["wall_s"] = wall[name]
-        codes, complete = _image_codes(vocab, record["new_ids"], grid)
+        codes, complete = image_codes(vocab, record["new_ids"], grid)
         with torch.inference_mode():
             images = image_tokenizer.decode(codes)
             predicted = classifier.predict(images).numpy()

@@ -16,7 +16,10 @@ own `generate` (`EvalContext.sample`), read by the demo's independent classifier
 - text loss: the decoder's mean next-token loss on held-out text documents (`digits_data.held_out_text_documents`).
 
 A family that writes no images (late fusion) is scored on understanding and text; its generation, interleaved and
-generated-image distribution figures are None (the floors are still measured)."""
+generated-image distribution figures are None (the floors are still measured).
+
+`run` returns a `DigitResult`: the figures and page samples of any suite, plus `outputs`, every caption, generated
+image and arithmetic prompt it scored (what the demo's report draws its panels from)."""
 
 from __future__ import annotations
 
@@ -115,6 +118,15 @@ def read_digits(classifier, images: list[Image.Image | None], targets: np.ndarra
     return made, predicted, (predicted == targets) & made
 
 
+@dataclass
+class DigitResult(SuiteResult):
+    """A `SuiteResult` with what was scored, row by row (not JSON): `outputs["understanding"]` (texts, labels: of
+    held-out digits 0..count-1), `["generation"]` (targets, images (None: no image), made, predicted (-1: none),
+    correct), `["interleaved"]` (pairs, a_index and b_index into the held-out digits, and the generation keys)."""
+
+    outputs: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
 def _text_before_image(segments: list[Any]) -> str:
     """The text a sample wrote before its first image (the worded sum)."""
     end = next((i for i, s in enumerate(segments) if isinstance(s, Image.Image)), len(segments))
@@ -140,7 +152,7 @@ class DigitSuite(Suite):
             raise FileNotFoundError(f"{path} does not exist: the digits suite reads digits with the classifier a "
                                     "finished demo trained (python train.py demo), or pass --classifier")
 
-    def run(self, context: EvalContext) -> SuiteResult:
+    def run(self, context: EvalContext) -> DigitResult:
         """Every part asked for; parts not asked for (or impossible for the family) are None."""
         s, parts = context.settings, self.options.chosen_parts()
         classifier = load_classifier(self.options.classifier_path())
@@ -149,19 +161,22 @@ class DigitSuite(Suite):
         real = data.to_model_images(split.test_images, size)
         writes = context.can_make_images()
         samples: list[PageSample] = []
+        scored: dict[str, dict[str, Any]] = {}  # DigitResult.outputs
         figures: dict[str, Any] = {"understanding": None, "generation": None, "distribution": None,
                                    "interleaved": None, "text_loss": None, "writes_images": writes}
         if "understanding" in parts:
-            figures["understanding"] = self._understanding(context, real, split.test_labels, samples)
+            figures["understanding"] = self._understanding(context, real, split.test_labels, samples, scored)
         generated = None
         if "generation" in parts and writes:
             generated = self._generation(context, classifier, s.temperature, s.top_k, s.cfg_scale, 2)
             figures["generation"] = generated["figures"]
+            scored["generation"] = {k: v for k, v in generated.items() if k != "figures"}
             self._show(samples, "generation", generated, s.samples_per_prompt)
         if "distribution" in parts:
             figures["distribution"] = self._distribution(context, classifier, real, split.test_labels, generated)
         if "interleaved" in parts and writes:
-            figures["interleaved"] = self._interleaved(context, classifier, real, split.test_labels, samples)
+            figures["interleaved"] = self._interleaved(context, classifier, real, split.test_labels, samples,
+                                                       scored)
         if "text" in parts:
             documents = data.held_out_text_documents(split.test_labels, s.text_documents, s.seed)
             figures["text_loss"] = context.text_loss(documents)
@@ -171,11 +186,11 @@ class DigitSuite(Suite):
             "generation": (figures["generation"] or {}).get("accuracy"),
             "frechet_distance": distribution.get("frechet_distance"), "diversity": distribution.get("diversity"),
             "interleaved": (figures["interleaved"] or {}).get("accuracy"), "text_loss": figures["text_loss"]}
-        return SuiteResult(figures, samples)
+        return DigitResult(figures, samples, scored)
 
     # ---------------------------------------------------------------- understanding
     def _understanding(self, context: EvalContext, real: torch.Tensor, labels: np.ndarray,
-                       samples: list[PageSample]) -> dict[str, Any] | None:
+                       samples: list[PageSample], scored: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         from tokenizer.image import to_pil
 
         count = min(context.settings.understanding_items, len(labels))
@@ -188,6 +203,7 @@ class DigitSuite(Suite):
         texts = [text_of(out) for out in outputs]
         predicted = [data.parse_digit(text) for text in texts]
         right = np.array([p == int(y) for p, y in zip(predicted, labels[:count])])
+        scored["understanding"] = {"texts": texts, "labels": labels[:count]}
         for i in range(min(SHOWN, count)):
             samples.append(PageSample("understanding", "caption this digit", images[i], text=texts[i],
                                       correct=bool(right[i]), note=f"label: {data.DIGIT_WORDS[int(labels[i])]}"))
@@ -259,7 +275,7 @@ class DigitSuite(Suite):
 
     # ---------------------------------------------------------------- interleaved arithmetic
     def _interleaved(self, context: EvalContext, classifier, real: torch.Tensor, labels: np.ndarray,
-                     samples: list[PageSample]) -> dict[str, Any]:
+                     samples: list[PageSample], scored: dict[str, dict[str, Any]]) -> dict[str, Any]:
         from tokenizer.image import to_pil
 
         s = context.settings
@@ -280,6 +296,9 @@ class DigitSuite(Suite):
         made, predicted, correct = read_digits(classifier, images, answers)
         texts = [_text_before_image(out) for out in outputs]
         worded = np.array([data.parse_digit(t) == int(c) for t, c in zip(texts, answers)])
+        scored["interleaved"] = {"pairs": pairs, "a_index": a_idx, "b_index": b_idx, "targets": answers,
+                                  "images": images, "made": made, "predicted": predicted, "correct": correct,
+                                  "texts": texts}
         for i in range(min(SHOWN, len(prompts))):
             a, b = int(pairs[i, 0]), int(pairs[i, 1])
             samples.append(PageSample("interleaved arithmetic", f"calculate {a} plus {b} equals", images[i],

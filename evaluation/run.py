@@ -14,7 +14,7 @@ import torch
 from common.files import atomic_write_json
 from data_shards.checksums import sha256_file
 from evaluation import suite_class
-from evaluation.base import EvalContext, EvalSettings
+from evaluation.base import EvalContext, EvalSettings, SuiteResult
 from evaluation.page import write_page
 
 
@@ -62,6 +62,16 @@ def evaluate(checkpoint: str | os.PathLike, suite: str, *, vocab: str | os.PathL
              progress=print) -> dict[str, Any]:
     """Score `checkpoint` on the suite named `suite`; returns results.json's content (written to `out` with the
     sample page when given). The same checkpoint, tokenizers, suite options and settings give the same file."""
+    return evaluate_with_samples(checkpoint, suite, vocab=vocab, media_tokenizer=media_tokenizer, out=out,
+                                 settings=settings, options=options, base=base, progress=progress)[0]
+
+
+def evaluate_with_samples(checkpoint: str | os.PathLike, suite: str, *, vocab: str | os.PathLike,
+                          media_tokenizer: str | os.PathLike | None = None, out: str | os.PathLike | None = None,
+                          settings: EvalSettings | None = None, options: Any = None,
+                          base: str | os.PathLike | None = None, progress=print) -> tuple[dict[str, Any], SuiteResult]:
+    """`evaluate`, also returning the suite's `SuiteResult` (its page samples and whatever else the suite keeps,
+    e.g. the digits suite's `outputs`) for a caller that shows them its own way (the demo's report)."""
     settings = settings or EvalSettings()
     suite_type = suite_class(suite)
     runner = suite_type(options)
@@ -91,4 +101,4 @@ def evaluate(checkpoint: str | os.PathLike, suite: str, *, vocab: str | os.PathL
         out.mkdir(parents=True, exist_ok=True)
         atomic_write_json(out / "results.json", results)
         write_page(out / "index.html", f"train.py eval --suite {suite}: {checkpoint}", results, result.samples)
-    return results
+    return results, result

@@ -2,7 +2,7 @@
 
 Chameleon's recipe (arXiv 2405.09818, section 3.2) fine-tunes the pretrained model on conversations with the loss on
 the answers only and balanced categories. Here, from the demo's pretrained decoder, vocabulary and VQ tokenizer,
-seven arms answer the same held-out conversations (`experiments/sft_data.py`: visual chat, image generation,
+seven arms answer the same held-out conversations (`evaluation/chat_data.py`: visual chat, image generation,
 interleaved "draw the next digit", text-only):
 - `pretrained`: the demo's decoder prompted in the chat template without fine-tuning;
 - `answer_only`: SFT with the loss on the assistant's turns only (Chameleon's);
@@ -16,11 +16,11 @@ shards, so they see the same batches in the same order. Each trained arm's step 
 parameters, AdamW bytes, the peak of live tensor bytes of one step (fusion_model/training/live_memory.py's LivePeak) and seconds per
 step. Everything runs through the commands users run: `train.py shards
 write --chat`, `shards tokenize --train-roles assistant`, `train.py fit --config configs/fusion/demo.yaml --config
-configs/fusion/post/sft.yaml --model.init_weights ...`, and the sampler `generate` uses (`generate_ids` on
-`tokenizer.chat.generation_prompt` ids). Answers are scored per category (images by the demo's independent digit
-classifier, text by exact match of the digit's name), with the rate of answers of the wrong modality and the held-out
-pretraining loss before and after (forgetting). Writes `<out>/results.json`, `<out>/results.md` and
-`<out>/samples.html`.
+configs/fusion/post/sft.yaml --model.init_weights ...`, and `train.py eval --suite chat` (`evaluation/chat.py`:
+the held-out conversations answered through the family's `generate` in the chat template, scored per category,
+images by the demo's independent digit classifier, text by exact match of the digit's name, with the rate of answers
+of the wrong modality). The experiment adds the held-out pretraining loss before and after (forgetting). Writes
+`<out>/results.json`, `<out>/results.md`, `<out>/samples.html` and each arm's suite output in `<out>/<arm>/eval`.
 """
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ import numpy as np
 import torch
 
 from common.files import atomic_write_json, atomic_write_text
-from experiments import sft_data
+from evaluation import chat_data
+from evaluation.chat import text_answer_is_right
 from experiments.demo.datasets import (
     DIGIT_WORDS,
     arithmetic_document,
     arithmetic_pairs,
     caption_document,
-    parse_digit,
     pick_by_label,
     to_model_images,
 )
@@ -94,9 +94,6 @@ ARMS: dict[str, Arm | None] = {
     "head_only": Arm("train", True, train_only="image_head_rows"),
 }
 PEAK_STEPS = 5  # the peak measurement's fit: step 0 makes AdamW's states, step 1 is measured, steps 2-4 are timed
-TEXT_ANSWERS = tuple(c for c in sft_data.CATEGORIES if not sft_data.ASKS_FOR_IMAGE[c])
-IMAGE_ANSWERS = tuple(c for c in sft_data.CATEGORIES if sft_data.ASKS_FOR_IMAGE[c])
-MAX_TEXT_TOKENS = 24  # room for an answer's text (the longest right one, "That is a seven.", is 6 tokens in the demo)
 
 
 @dataclass
@@ -445,129 +442,31 @@ def measure_arm(name: str, config: SFTExperimentConfig, out_dir: Path, demo_dir:
 # ---------------------------------------------------------------- answering and scoring
 
 
-def load_png(path: Path) -> torch.Tensor:
-    """A written conversation image as the tokenizer's input (3, H, W) in [-1, 1]."""
-    from PIL import Image
+def evaluate_arm(name: str, checkpoint: Path, model, ctx: _Context) -> dict:
+    """The `chat` suite on the arm's checkpoint (`evaluation.run.evaluate`: the held-out conversations answered
+    through the family's `generate`, scored per category; results.json and the sample page in `<out>/<arm>/eval`),
+    plus the held-out pretraining loss (forgetting)."""
+    from evaluation.base import EvalSettings
+    from evaluation.chat import ChatOptions
+    from evaluation.run import evaluate
 
-    pixels = torch.tensor(np.array(Image.open(path).convert("RGB")), dtype=torch.float32)  # a writable copy
-    return pixels.permute(2, 0, 1) / 127.5 - 1.0
-
-
-def held_out_prompts(folder: Path, conversations: list[sft_data.Conversation], vocab, tokenizer) -> list[list[int]]:
-    """The chat-template prompt ids (`<s> [user] <sep>`) of each held-out conversation, its images as codes."""
-    from tokenizer.chat import Turn, generation_prompt
-
-    paths = sorted({p for c in conversations for p in sft_data.user_parts(c) if isinstance(p, Path)})
-    codes: dict[Path, torch.Tensor] = {}
-    if paths:
-        with torch.no_grad():
-            encoded = tokenizer.encode(torch.stack([load_png(folder / p) for p in paths]))
-        codes = dict(zip(paths, encoded))
-    grid = tuple(tokenizer.grid_shape)
-    return [generation_prompt(vocab, [Turn("user", tuple(codes[p] if isinstance(p, Path) else p
-                                                         for p in sft_data.user_parts(c)))], grid_shape=grid)
-            for c in conversations]
-
-
-def answer(model, vocab, prompts: list[list[int]], demo: DemoConfig, grid: tuple[int, int], seed: int,
-           batch_size: int = 64) -> list[list[int]]:
-    """Each prompt's answer ids through the sampler `generate` runs: interleaved mode (the model chooses text or an
-    image), greedy text, the demo's image sampling (temperature, top-k, guidance); stops at `</s>`."""
-    from fusion_model.sampling import SamplingConfig, generate_ids
-
-    settings = demo.generate
-    config = SamplingConfig(mode="interleaved", text_temperature=0.0, image_temperature=settings.temperature,
-                            image_top_k=settings.top_k, cfg_scale=settings.cfg_scale, image_grid=grid, seed=seed,
-                            max_new_tokens=grid[0] * grid[1] + 2 + MAX_TEXT_TOKENS)
-    out: list[list[int]] = []
-    with torch.no_grad():
-        for begin in range(0, len(prompts), batch_size):
-            out += generate_ids(model, vocab, prompts[begin : begin + batch_size], config)
-    return out
-
-
-def normalise(text: str) -> str:
-    """An answer as exact match compares it: lower case, outer spaces and a final full stop dropped."""
-    return text.strip().lower().rstrip(".").strip()
-
-
-def read_answer(ids: list[int], vocab, grid: tuple[int, int]) -> dict:
-    """What one answer holds: its text (all text segments), its first complete image's codes, whether it opened
-    any image (`<boi>`, complete or not), and the text after its first image."""
-    from fusion_model.sampling.generate import split_segments
-
-    segments = split_segments(ids, vocab, grid)
-    images = [s for s in segments if not isinstance(s, str)]
-    first = next((i for i, s in enumerate(segments) if not isinstance(s, str)), len(segments))
-    return {"text": "".join(s for s in segments if isinstance(s, str)).strip(),
-            "after_image": "".join(s for s in segments[first + 1 :] if isinstance(s, str)).strip(),
-            "codes": images[0] if images else None, "opened_image": vocab.boi_id in ids}
-
-
-def score(conversations: list[sft_data.Conversation], answers: list[dict], predicted: list[int | None]) -> dict:
-    """Per category: accuracy (text: exact match of the digit's name, no image; image: the classifier reads the
-    asked digit in the answer's first image), the wrong-modality rate, and lenient / sentence scores; overall: the
-    rate of images where none was asked and of text-only answers where an image was."""
-    per: dict[str, dict] = {}
-    for category in sft_data.CATEGORIES:
-        rows = [(c, a, p) for c, a, p in zip(conversations, answers, predicted) if c.category == category]
-        if not rows:
-            continue
-        n = len(rows)
-        if category in TEXT_ANSWERS:
-            exact = [a["codes"] is None and not a["opened_image"] and normalise(a["text"]) == DIGIT_WORDS[c.answer]
-                     for c, a, _ in rows]
-            per[category] = {
-                "count": n, "accuracy": float(np.mean(exact)),
-                "names_answer": float(np.mean([parse_digit(a["text"]) == c.answer for c, a, _ in rows])),
-                "image_when_none_asked": float(np.mean([a["opened_image"] for _, a, _ in rows])),
-            }
-        else:
-            correct = [p is not None and p == c.answer for c, _, p in rows]
-            per[category] = {
-                "count": n, "accuracy": float(np.mean(correct)),
-                "text_only_when_image_asked": float(np.mean([a["codes"] is None for _, a, _ in rows])),
-            }
-            if category == "interleaved":
-                per[category]["sentence_accuracy"] = float(np.mean(
-                    [parse_digit(a["after_image"]) == c.answer for c, a, _ in rows]))
-                per[category]["image_and_sentence"] = float(np.mean(
-                    [ok and parse_digit(a["after_image"]) == c.answer for (c, a, _), ok in zip(rows, correct)]))
-    text_rows = [per[c] for c in TEXT_ANSWERS if c in per]
-    image_rows = [per[c] for c in IMAGE_ANSWERS if c in per]
-    weighted = lambda rows, key: (sum(r[key] * r["count"] for r in rows)  # noqa: E731
-                                  / max(sum(r["count"] for r in rows), 1))
-    return {"categories": per, "mean_accuracy": float(np.mean([r["accuracy"] for r in per.values()])),
-            "image_when_none_asked": weighted(text_rows, "image_when_none_asked"),
-            "text_only_when_image_asked": weighted(image_rows, "text_only_when_image_asked")}
-
-
-def evaluate_arm(name: str, model, ctx: _Context) -> dict:
-    """Answer every held-out conversation, read the images with the classifier, score; plus the held-out
-    pretraining loss."""
+    g = ctx.demo.generate
+    settings = EvalSettings(seed=ctx.config.seed, temperature=g.temperature, top_k=g.top_k, cfg_scale=g.cfg_scale,
+                            batch_size=64)
+    options = ChatOptions(demo_dir=str(ctx.demo_dir), conversations=str(ctx.conversations))
     start = time.perf_counter()
-    new_ids = answer(model, ctx.vocab, ctx.prompts, ctx.demo, ctx.grid, ctx.config.seed)
+    scored = evaluate(checkpoint, "chat", vocab=ctx.demo_dir / "vocab" / "tokenizer.json",
+                      media_tokenizer=ctx.demo_dir / "tokenizer" / "model", out=ctx.out_dir / name / "eval",
+                      settings=settings, options=options, progress=lambda line: None)
     seconds = time.perf_counter() - start
-    answers = [read_answer(ids, ctx.vocab, ctx.grid) for ids in new_ids]
-    with_image = [i for i, a in enumerate(answers) if a["codes"] is not None]
-    predicted: list[int | None] = [None] * len(answers)
-    images = torch.zeros(len(answers), 3, *ctx.image_size)
-    if with_image:
-        with torch.no_grad():
-            decoded = ctx.tokenizer.decode(torch.stack([answers[i]["codes"] for i in with_image]))
-            labels = ctx.classifier.predict(decoded).tolist()
-        for i, label, image in zip(with_image, labels, decoded):
-            predicted[i], images[i] = int(label), image
-    scores = score(ctx.conversations, answers, predicted)
+    figures = scored["figures"]
     forgetting = document_loss(model, ctx.documents, ctx.vocab.pad_id)
-    generated = sum(len(ids) for ids in new_ids)
-    ctx.answers[name] = {"answers": answers, "predicted": predicted, "images": images}
-    # each answer as scored, in the held-out file's order (the codes stay out: the sample page shows the images)
-    given = [{"text": a["text"], "image_read": p, "opened_image": a["opened_image"]}
-             for a, p in zip(answers, predicted)]
-    return {**scores, "held_out_pretraining_loss": forgetting, "answer_seconds": seconds,
-            "generated_tokens": generated, "generated_tokens_per_second": generated / max(seconds, 1e-9),
-            "answers": given}
+    generated = figures["generated_tokens"]
+    return {**{k: figures[k] for k in ("categories", "mean_accuracy", "image_when_none_asked",
+                                       "text_only_when_image_asked", "answers")},
+            "held_out_pretraining_loss": forgetting, "answer_seconds": seconds, "generated_tokens": generated,
+            "generated_tokens_per_second": generated / max(seconds, 1e-9),
+            "page": str(ctx.out_dir / name / "eval" / "index.html")}
 
 
 # ---------------------------------------------------------------- the experiment
@@ -579,15 +478,11 @@ class _Context:
 
     config: SFTExperimentConfig
     demo: DemoConfig
+    demo_dir: Path
+    out_dir: Path
     vocab: object
-    tokenizer: object
-    classifier: object
-    conversations: list
-    prompts: list
-    documents: list
-    grid: tuple[int, int]
-    image_size: tuple[int, int]
-    answers: dict = field(default_factory=dict)
+    conversations: Path  # the held-out JSONL the chat suite answers (its .labels.json beside it)
+    documents: list  # held-out pretraining documents (forgetting)
 
 
 def run(config: SFTExperimentConfig, log: Callable[[str], None] = print, demo: DemoConfig | None = None) -> dict:
@@ -595,8 +490,6 @@ def run(config: SFTExperimentConfig, log: Callable[[str], None] = print, demo: D
 
     `demo`: the settings the demo in `demo_dir` ran with (default: the preset's): its held-out digits must be the
     ones it held out."""
-    from common.files import load_checkpoint_file
-    from evaluation.digit_classifier import DigitClassifier
     from experiments.demo.stages import load_decoder
 
     demo = demo or load_config(config.demo)
@@ -608,13 +501,12 @@ def run(config: SFTExperimentConfig, log: Callable[[str], None] = print, demo: D
     out_dir.mkdir(parents=True, exist_ok=True)
     start, threads = time.perf_counter(), torch.get_num_threads()  # read now: a fit may change it for itself
     vocab, tokenizer = load_vocab(demo_dir), load_image_tokenizer(demo_dir)
-    grid = tuple(int(g) for g in tokenizer.grid_shape)
 
     log("[1/5] conversations from the demo's digits (training digits for training, held-out for evaluation)")
     digits = digits_for(demo)
     size = demo.data.image_size
     pictures = {"train": SplitPictures(digits.train_images, size), "held_out": SplitPictures(digits.test_images, size)}
-    chat = sft_data.write_chat_data(out_dir / "chat", digits.train_labels, digits.test_labels, pictures,
+    chat = chat_data.write_chat_data(out_dir / "chat", digits.train_labels, digits.test_labels, pictures,
                                     train_conversations=config.train_conversations,
                                     held_out_per_category=config.held_out_per_category, seed=config.seed)
 
@@ -622,13 +514,8 @@ def run(config: SFTExperimentConfig, log: Callable[[str], None] = print, demo: D
     shards = {name: chat_shards(getattr(chat, name), out_dir / "shards" / name, demo_dir)
               for name in ("train", "train_unbalanced")}
 
-    conversations = sft_data.read_labels(chat.folder, "held_out")
-    classifier = DigitClassifier()
-    classifier.load_state_dict(load_checkpoint_file(demo_dir / "generate" / "classifier.pt"))
-    ctx = _Context(config, demo, vocab, tokenizer, classifier.eval(), conversations,
-                   held_out_prompts(chat.folder, conversations, vocab, tokenizer),
-                   pretraining_documents(demo, tokenizer, vocab, config.held_out_documents, config.seed),
-                   grid, (size, size))
+    ctx = _Context(config, demo, demo_dir, out_dir, vocab, chat.held_out,
+                   pretraining_documents(demo, tokenizer, vocab, config.held_out_documents, config.seed))
 
     log("[3/5] training (train.py fit --config configs/fusion/demo.yaml --config configs/fusion/post/sft.yaml)")
     models: dict[str, torch.nn.Module] = {"pretrained": load_decoder(demo_dir)}
@@ -648,10 +535,12 @@ def run(config: SFTExperimentConfig, log: Callable[[str], None] = print, demo: D
             training[name]["cost"] = measure_arm(name, config, out_dir, demo_dir, shards[arm.split], vocab, arm,
                                                  training[name], log)
 
-    log("[4/5] answering the held-out conversations")
+    log("[4/5] answering the held-out conversations (train.py eval --suite chat)")
+    checkpoints = {"pretrained": demo_dir / "train" / "model.ckpt",
+                   **{name: Path(record["checkpoint"]) for name, record in training.items()}}
     results: dict[str, dict] = {}
     for name, model in models.items():
-        results[name] = evaluate_arm(name, model.eval(), ctx)
+        results[name] = evaluate_arm(name, checkpoints[name], model.eval(), ctx)
         log(f"  {name}: " + ", ".join(f"{c} {r['accuracy']:.0%}" for c, r in results[name]["categories"].items())
             + f"; held-out pretraining loss {results[name]['held_out_pretraining_loss']['all']:.3f}")
 
@@ -665,7 +554,7 @@ def run(config: SFTExperimentConfig, log: Callable[[str], None] = print, demo: D
                        "held_out_pretraining_documents": len(ctx.documents)},
               "minutes": (time.perf_counter() - start) / 60, "threads": threads,
               "finished_at": time.strftime("%Y-%m-%d %H:%M:%S")}
-    record["samples"] = str(write_samples(ctx, out_dir / "samples.html", chat.folder))
+    record["samples"] = str(write_samples(record, out_dir / "samples.html", chat.folder, config.samples_shown))
     atomic_write_json(out_dir / "results.json", record)
     atomic_write_text(out_dir / "results.md", results_table(record))
     log(results_table(record))
@@ -675,8 +564,8 @@ def run(config: SFTExperimentConfig, log: Callable[[str], None] = print, demo: D
 
 def counts_of(folder: Path, name: str) -> dict[str, int]:
     """Conversations per category of one written split."""
-    rows = sft_data.read_labels(folder, name)
-    return {c: sum(r.category == c for r in rows) for c in sft_data.CATEGORIES}
+    rows = chat_data.read_labels(folder, name)
+    return {c: sum(r.category == c for r in rows) for c in chat_data.CATEGORIES}
 
 
 # ---------------------------------------------------------------- outputs
@@ -689,7 +578,7 @@ def _pct(value: float | None) -> str:
 def results_table(record: dict) -> str:
     """The results as Markdown tables: accuracy per category, wrong-modality rates and forgetting, training cost."""
     results, training = record["results"], record["training"]
-    categories = list(sft_data.CATEGORIES)
+    categories = list(chat_data.CATEGORIES)
     lines = ["| arm | " + " | ".join(categories) + " | mean | interleaved sentence | image when none asked | "
              "text-only when image asked |", "|---" * (len(categories) + 5) + "|"]
     for arm, r in results.items():
@@ -747,39 +636,43 @@ def results_table(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_samples(ctx: _Context, path: Path, chat_folder: Path) -> Path:
-    """`samples.html`: for each category, a few held-out prompts and every arm's answer (text, image with the
-    classifier's reading), marked right or wrong."""
+def write_samples(record: dict, path: Path, chat_folder: Path, shown: int) -> Path:
+    """`samples.html`: for each category, the first held-out prompts and every arm's answer side by side (its text
+    and the digit the classifier read in its image), marked right or wrong; each arm's `train.py eval` page (linked)
+    shows the answers' images."""
     import html
 
     from experiments.demo import report
 
-    shown = ctx.config.samples_shown
+    results = record["results"]
+    conversations = chat_data.read_labels(chat_folder, "held_out")
     sections = []
-    for category in sft_data.CATEGORIES:
-        picks = [i for i, c in enumerate(ctx.conversations) if c.category == category][:shown]
-        if not picks:
-            continue
+    for category in chat_data.CATEGORIES:
+        picks = [i for i, c in enumerate(conversations) if c.category == category][:shown]
         rows = []
         for i in picks:
-            c = ctx.conversations[i]
+            c = conversations[i]
             prompt = " ".join(report.image_tag(np.asarray(_open(chat_folder / p)), 48) if isinstance(p, Path)
-                              else html.escape(p) for p in sft_data.user_parts(c))
+                              else html.escape(p) for p in chat_data.user_parts(c))
             cells = [f"<td>{prompt}<br><small>answer: {DIGIT_WORDS[c.answer]}</small></td>"]
-            for held in ctx.answers.values():
-                a, read = held["answers"][i], held["predicted"][i]
-                body = ""
-                if a["codes"] is not None:
-                    body += report.image_tag(report.to_uint8(held["images"][i : i + 1])[0], 48) + f" ({read}) "
-                body += html.escape(a["text"] or "") or "<i>(no text)</i>"
-                ok = (read == c.answer) if sft_data.ASKS_FOR_IMAGE[category] else (
-                    a["codes"] is None and not a["opened_image"] and normalise(a["text"]) == DIGIT_WORDS[c.answer])
+            for r in results.values():
+                given = r["answers"][i]
+                read = given["image_read"]
+                body = (f"[image read as {DIGIT_WORDS[read]}] " if read is not None else
+                        "[unfinished image] " if given["opened_image"] else "")
+                body += html.escape(given["text"] or "") or "<i>(no text)</i>"
+                ok = read == c.answer if chat_data.ASKS_FOR_IMAGE[category] else text_answer_is_right(
+                    given["text"], given["opened_image"], c.answer)
                 cells.append(f"<td>{report.mark(bool(ok))} {body}</td>")
             rows.append("<tr>" + "".join(cells) + "</tr>")
-        header = "<tr><th>prompt</th>" + "".join(f"<th>{html.escape(a)}</th>" for a in ctx.answers) + "</tr>"
-        sections.append(report.section(category, f"<table>{header}{''.join(rows)}</table>"))
+        if rows:
+            header = "<tr><th>prompt</th>" + "".join(
+                f'<th><a href="{html.escape(Path(r["page"]).relative_to(path.parent).as_posix())}">'
+                f"{html.escape(arm)}</a></th>" for arm, r in results.items()) + "</tr>"
+            sections.append(report.section(category, f"<table>{header}{''.join(rows)}</table>"))
     return report.write_html(path, "SFT on the demo's digits: held-out conversations and each arm's answer",
-                             sections, "Images in answers show the digit the independent classifier reads.")
+                             sections, "Each arm's name links to its `train.py eval --suite chat` page, which shows "
+                             "the answers' images.")
 
 
 def _open(path: Path):

@@ -113,6 +113,11 @@ def _card(image: np.ndarray, label: str, width: int = 64) -> str:
     return f'<div class="card">{image_tag(image, width)}<br>{label}</div>'
 
 
+def _reading(predicted: int) -> str:
+    """What the classifier read in a generated image; -1 marks a sample that made no whole image."""
+    return f"reads {predicted}" if predicted >= 0 else "no image"
+
+
 def evaluation_section(records: dict[str, dict]) -> str:
     """The evaluation table, with the training tokens and minutes behind it."""
     gen, train = records["generate"], records["train"]
@@ -135,11 +140,15 @@ def evaluation_section(records: dict[str, dict]) -> str:
         ("decoder training minutes", float(train["minutes"])),
         ("decoder parameters", int(train["parameters"])),
         ("tokens / second", float(train["tokens_per_second"])),
+        *([("held-out caption loss (nats per text token)", float(gen["text_loss"]))]
+          if gen.get("text_loss") is not None else []),
     ])
     sampling = gen["sampling"]
     note = (f"Images sampled at temperature {sampling['temperature']}, top-k {sampling['top_k']}, classifier-free "
-            f"guidance {sampling['cfg_scale']} (unconditional branch: <s> <boi>); captions decoded greedily. "
-            "The classifier is a CNN trained by the demo on real training digits only.")
+            f"guidance {sampling['cfg_scale']} (unconditional branch: <s> <boi>), the interleaved answer images "
+            "too; captions and worded sums decoded greedily. "
+            "The classifier is a CNN trained by the demo on real training digits only. Scored by the digits "
+            "evaluation suite (train.py eval --suite digits; the rerun command of the generate stage below).")
     return section("Evaluation (held-out digits, never seen in training)", body, note)
 
 
@@ -198,12 +207,13 @@ def loss_section(losses: dict) -> str:
 
 def generation_section(images: torch.Tensor, targets: np.ndarray, predicted: np.ndarray, per_caption: int,
                        shown: int, captions: list[str]) -> str:
-    """A row of generated images per caption, each marked with the classifier's reading."""
+    """A row of generated images per caption, each marked with the classifier's reading (-1: no image)."""
     pixels = to_uint8(images)
     rows = []
     for digit in range(10):
         idx = np.flatnonzero(targets == digit)[:shown]
-        cards = "".join(_card(pixels[i], f"{mark(predicted[i] == digit)} reads {int(predicted[i])}", 56) for i in idx)
+        cards = "".join(_card(pixels[i], f"{mark(predicted[i] == digit)} {_reading(int(predicted[i]))}", 56)
+                        for i in idx)
         correct = int((predicted[targets == digit] == digit).sum())
         rows.append(f"<tr><td>{html.escape(captions[digit])}<br>({correct}/{per_caption} recognised)</td>"
                     f'<td><div class="grid">{cards}</div></td></tr>')
@@ -222,15 +232,16 @@ def captions_section(images: torch.Tensor, texts: list[str], labels: np.ndarray,
 def interleaved_section(a_images: torch.Tensor, b_images: torch.Tensor, answers: torch.Tensor, pairs: np.ndarray,
                         predicted: np.ndarray, shown: int, texts: list[str] | None = None) -> str:
     """`calculate <a> plus <b> equals <generated text> <generated image>` documents, with the classifier's reading
-    of the answer image."""
+    of the answer image (-1: no image)."""
     rows = []
     for i in range(min(shown, len(pairs))):
         a, b, c = (to_uint8(t[i:i + 1])[0] for t in (a_images, b_images, answers))
         ok = int(predicted[i]) == int(pairs[i].sum())
+        reading = ("generated image " if predicted[i] >= 0 else "") + _reading(int(predicted[i]))
         written = html.escape(texts[i]) if texts else ""
         rows.append(f"<tr><td>calculate</td><td>{image_tag(a, 48)}</td><td>plus</td><td>{image_tag(b, 48)}</td><td>equals</td>"
                     f"<td><i>{written}</i></td><td>{image_tag(c, 48)}</td><td>{mark(ok)} {int(pairs[i][0])} + "
-                    f"{int(pairs[i][1])}: generated image reads {int(predicted[i])}</td></tr>")
+                    f"{int(pairs[i][1])}: {reading}</td></tr>")
     return section("Interleaved arithmetic (prompt: two held-out digit images; the model writes the sum in words "
                    "(italic), then the answer image)", "<table>" + "".join(rows) + "</table>")
 

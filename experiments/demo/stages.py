@@ -9,7 +9,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -30,6 +30,10 @@ from experiments.demo.datasets import (
 )
 from experiments.demo.report import to_uint8
 from experiments.demo.settings import FIT_CONFIG, DemoConfig, shown_path
+
+if TYPE_CHECKING:  # annotations only: the stages import the evaluation package when they run
+    from evaluation.base import EvalSettings
+    from evaluation.digits import DigitOptions
 
 
 def digits_for(config: DemoConfig):
@@ -217,12 +221,61 @@ def run_shards(config: DemoConfig, out_dir: Path, progress: bool = True) -> dict
 # ---------------------------------------------------------------- 5. generation and evaluation
 
 
-def run_generate(config: DemoConfig, out_dir: Path, progress: bool = True) -> dict:
-    """Train the independent classifier on real digits, then generate and score on held-out data."""
-    from tqdm.auto import tqdm
+EVAL_BATCH = 100  # prompts per sampling batch (the batch also seeds its images: EvalContext.sample)
 
+
+def eval_setup(config: DemoConfig, out_dir: Path) -> tuple[EvalSettings, DigitOptions]:
+    """The `digits` suite's `EvalSettings` and `DigitOptions` for the demo: its sampling, sizes, seed and split."""
+    from evaluation.base import EvalSettings
+    from evaluation.digits import DigitOptions
+
+    g = config.generate
+    settings = EvalSettings(seed=config.seed, temperature=g.temperature, top_k=g.top_k, cfg_scale=g.cfg_scale,
+                            samples_per_prompt=g.images_per_caption, prompts_per_skill=g.arithmetic_examples,
+                            understanding_items=g.understanding_examples, batch_size=EVAL_BATCH)
+    # The suite draws load_digits(held_out, seed): digits_for's split, whose train_limit shortens only the training
+    # part (the held-out digits come first in the seed's shuffle either way).
+    options = DigitOptions(demo_dir=str(out_dir), held_out=config.data.held_out, split_seed=config.seed,
+                           plain_sampling=True)
+    return settings, options
+
+
+def eval_command(out_dir: Path, settings: EvalSettings, options: DigitOptions) -> list[str]:
+    """The `train.py eval --suite digits` argv that scores the demo's decoder as the generate stage does (options
+    left at their defaults are not spelled out)."""
+    import dataclasses
+
+    argv = ["python", "train.py", "eval", "--suite", "digits", "--checkpoint", str(out_dir / "train" / "model.ckpt"),
+            "--vocab", str(out_dir / "vocab" / "tokenizer.json"),
+            "--media-tokenizer", str(out_dir / "tokenizer" / "model"),
+            "--out", str(out_dir / "generate" / "eval")]
+    for values in (settings, options):
+        for f in dataclasses.fields(values):
+            value = getattr(values, f.name)
+            if value != f.default:
+                argv += ["--" + f.name.replace("_", "-"), str(value).lower() if isinstance(value, bool) else str(value)]
+    return argv
+
+
+def _uint8_images(images: list[Image.Image | None], size: int) -> torch.Tensor:
+    """Generated PIL images as uint8 (N, 3, size, size), black where a row made no image (its reading is -1)."""
+    out = torch.zeros(len(images), 3, size, size, dtype=torch.uint8)
+    for i, image in enumerate(images):
+        if image is not None:
+            out[i] = torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1)
+    return out
+
+
+def _number(value: float | None) -> float:
+    """A suite figure as a float; None (fewer than two images to measure) is NaN, as the record always held."""
+    return float("nan") if value is None else float(value)
+
+
+def run_generate(config: DemoConfig, out_dir: Path, progress: bool = True) -> dict:
+    """Train the independent classifier on real digits, then score the decoder with the `digits` evaluation suite
+    (the one `train.py eval --suite digits` runs) on the held-out digits."""
     from evaluation.digit_classifier import train_classifier
-    from experiments.demo import evaluate
+    from evaluation.run import evaluate_with_samples
 
     settings, size, seed = config.generate, config.data.image_size, config.seed
     digits = digits_for(config)
@@ -231,42 +284,51 @@ def run_generate(config: DemoConfig, out_dir: Path, progress: bool = True) -> di
     start = time.perf_counter()
     classifier = train_classifier(to_model_images(digits.train_images, size), digits.train_labels, seed=seed,
                                   epochs=settings.classifier_epochs, progress=progress)
-    atomic_torch_save(classifier.state_dict(), folder / "classifier.pt")
+    atomic_torch_save(classifier.state_dict(), folder / "classifier.pt")  # the suite reads it from here
     classifier_seconds = time.perf_counter() - start
-    image_tokenizer, vocab, model = load_image_tokenizer(out_dir), load_vocab(out_dir), load_decoder(out_dir)
-    test_images = to_model_images(digits.test_images, size)
-    with torch.no_grad():
-        test_codes = image_tokenizer.encode(test_images)
-        reconstructed = image_tokenizer.decode(test_codes)
-        real_acc = float((classifier.predict(test_images).numpy() == digits.test_labels).mean())
-        recon_acc = float((classifier.predict(reconstructed).numpy() == digits.test_labels).mean())
-    n_under = min(settings.understanding_examples, len(digits.test_labels))
-    # the generation pass twice: the demo's sampling settings, then plain sampling for the distribution scores
-    total = n_under + 2 * 10 * settings.images_per_caption + settings.arithmetic_examples
-    with tqdm(total=total, desc="generate", disable=None if progress else True, leave=False) as bar:  # off in log files
-        under = evaluate.understanding(model, vocab, test_codes[:n_under], digits.test_labels[:n_under], bar=bar)
-        gen = evaluate.generation(model, vocab, image_tokenizer, classifier, settings, seed=seed, bar=bar)
-        inter = evaluate.interleaved(model, vocab, image_tokenizer, classifier, test_codes, digits.test_labels,
-                                     settings, seed=seed, bar=bar)
-        distribution_start = time.perf_counter()
-        spread = evaluate.distribution(model, vocab, image_tokenizer, classifier, settings, gen, test_images,
-                                       digits.test_labels, reconstructed, seed=seed, bar=bar)
-        spread["distribution_seconds"] = time.perf_counter() - distribution_start
+    eval_settings, options = eval_setup(config, out_dir)
+    start = time.perf_counter()
+    _, result = evaluate_with_samples(out_dir / "train" / "model.ckpt", "digits",
+                                      vocab=out_dir / "vocab" / "tokenizer.json",
+                                      media_tokenizer=out_dir / "tokenizer" / "model", out=folder / "eval",
+                                      settings=eval_settings, options=options,
+                                      progress=print if progress else (lambda line: None))
+    eval_seconds = time.perf_counter() - start
+    figures, outputs = result.figures, result.outputs
+    under, gen, inter, dist = (figures[k] for k in ("understanding", "generation", "interleaved", "distribution"))
+    plain = dist["plain"]
     # Everything the report shows, as tensors / lists (loads with weights_only=True).
+    generated, answered = outputs["generation"], outputs["interleaved"]
     atomic_torch_save({
-        "understanding_texts": under["texts"], "understanding_labels": torch.as_tensor(digits.test_labels[:n_under]),
-        "generation_targets": torch.as_tensor(gen["targets"]), "generation_codes": gen["codes"],
-        "generation_predicted": torch.as_tensor(gen["predicted"]),
-        "interleaved_pairs": torch.as_tensor(inter["pairs"]), "interleaved_a": torch.as_tensor(inter["a_index"]),
-        "interleaved_b": torch.as_tensor(inter["b_index"]), "interleaved_codes": inter["codes"],
-        "interleaved_predicted": torch.as_tensor(inter["predicted"]), "interleaved_texts": inter["texts"],
+        "understanding_texts": outputs["understanding"]["texts"],
+        "understanding_labels": torch.as_tensor(outputs["understanding"]["labels"]),
+        "generation_targets": torch.as_tensor(generated["targets"]),
+        "generation_images": _uint8_images(generated["images"], size),
+        "generation_predicted": torch.as_tensor(generated["predicted"]),
+        "interleaved_pairs": torch.as_tensor(answered["pairs"]), "interleaved_a": torch.as_tensor(answered["a_index"]),
+        "interleaved_b": torch.as_tensor(answered["b_index"]),
+        "interleaved_images": _uint8_images(answered["images"], size),
+        "interleaved_predicted": torch.as_tensor(answered["predicted"]), "interleaved_texts": answered["texts"],
     }, folder / "samples.pt")
     return {"understanding_accuracy": under["accuracy"], "understanding_count": under["count"],
             "generation_accuracy": gen["accuracy"], "generation_count": gen["count"],
             "interleaved_accuracy": inter["accuracy"], "interleaved_count": inter["count"],
-            "classifier_accuracy_real": real_acc, "classifier_accuracy_reconstructed": recon_acc,
-            "classifier_seconds": classifier_seconds, **spread,
-            "sampling": {k: getattr(settings, k) for k in ("temperature", "top_k", "cfg_scale")}}
+            "interleaved_worded_sum_accuracy": inter["worded_sum_accuracy"],
+            "generation_accuracy_t1_cfg1": plain["accuracy"],
+            "classifier_accuracy_real": dist["accuracy_real"],
+            "classifier_accuracy_reconstructed": dist["accuracy_reconstruction"],
+            "frechet_distance": _number(dist["frechet_distance"]),
+            "frechet_distance_t1_cfg1": _number(plain["frechet_distance"]),
+            "frechet_distance_real": _number(dist["frechet_real"]),
+            "frechet_distance_reconstructed": _number(dist["frechet_reconstruction"]),
+            "frechet_reference_count": dist["reference_count"],
+            "diversity": _number(dist["diversity"]), "diversity_t1_cfg1": _number(plain["diversity"]),
+            "diversity_real": _number(dist["diversity_real"]),
+            "text_loss": figures["text_loss"],
+            "classifier_seconds": classifier_seconds, "eval_seconds": eval_seconds,
+            "sampling": {k: getattr(settings, k) for k in ("temperature", "top_k", "cfg_scale")},
+            "figures": figures,  # the suite's own figures, all of them (results.json's `figures`)
+            "command": shlex.join(eval_command(out_dir, eval_settings, options))}
 
 
 # ---------------------------------------------------------------- 4. pretraining
@@ -360,12 +422,15 @@ def run_report(config: DemoConfig, out_dir: Path, progress: bool = True) -> dict
     image_tokenizer = load_image_tokenizer(out_dir)
     test_images = to_model_images(digits.test_images, size)
     samples = load_checkpoint_file(out_dir / "generate" / "samples.pt")
+    if "generation_images" not in samples:  # image codes, from before the stage scored through the digits suite
+        given = f" --config {config.source}" if config.source else ""
+        raise ValueError(f"{out_dir / 'generate' / 'samples.pt'} was written by an older demo: rerun "
+                         f"`python train.py demo{given} --out {out_dir} --force generate`")
     losses = json.loads((out_dir / "train" / "losses.json").read_text())
     with torch.no_grad():
         originals = test_images[:12]
         recon = image_tokenizer.decode(image_tokenizer.encode(originals))
-        generated = image_tokenizer.decode(samples["generation_codes"])
-        answers = image_tokenizer.decode(samples["interleaved_codes"])
+    generated, answers = (samples[k].float() / 127.5 - 1.0 for k in ("generation_images", "interleaved_images"))
     n_cap = min(24, len(samples["understanding_texts"]))
     gen, train = records["generate"], records["train"]
     summary = (f"Trained from scratch on {len(digits.train_labels):,} MNIST digits and English text, on this machine's "

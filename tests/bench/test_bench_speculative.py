@@ -88,3 +88,22 @@ def test_a_difference_can_be_rechecked_on_fresh_seeds_for_one_setting_and_varian
     assert set(body["figures"]) == {"temperature1_cfg1"}
     assert set(body["figures"]["temperature1_cfg1"]) == {"window0", "window4"}
     assert body["config"]["windows"] == [0, 4] and body["config"]["seeds"].startswith("first seed + image index (5000")
+
+
+def test_only_a_whole_image_counts_as_made():
+    from types import SimpleNamespace
+
+    from tokenizer.vocab import UnifiedVocab
+
+    vocab = SimpleNamespace(pad_id=0, bos_id=1, boi_id=8, eoi_id=9, eos_id=2, bov_id=None, eov_id=None,  # no video
+                            image_offset=16, image_codes=4,
+                            decode_text=lambda ids: " ".join(map(str, ids)), _as_list=UnifiedVocab._as_list)
+    vocab.spans = lambda ids: UnifiedVocab.spans(vocab, ids)  # the vocabulary's one document parser
+    rows = [[100, 101, 8, 16, 17, 18, 19, 9, 2],  # text, then a whole image
+            [8, 19, 18, 17, 16, 9],  # an image straight away
+            [100, 8, 16, 17, 9],  # the image stops early
+            [100, 101, 2]]  # no image at all
+    codes, complete = bench_speculative.image_codes(vocab, rows, (2, 2))
+    assert complete.tolist() == [True, True, False, False]
+    assert codes[0].flatten().tolist() == [0, 1, 2, 3] and codes[1].flatten().tolist() == [3, 2, 1, 0]
+    assert codes[2].abs().sum() == 0 and codes[3].abs().sum() == 0

@@ -7,49 +7,13 @@ import dataclasses
 
 import numpy as np
 import pytest
-import torch
 
 from evaluation import digits_data as data
 from evaluation.base import EvalContext, EvalSettings
-from evaluation.digit_classifier import DigitClassifier
 from evaluation.digits import DigitOptions, DigitSuite
-from fusion_model.config import FusionConfig
-from fusion_model.families import family_class
-from fusion_model.families.loading import LoadedFamily
-from tokenizer.image import ImageTokenizer
-from tokenizer.image.config import ImageTokenizerConfig
-from tokenizer.vocab import train_unified_vocab
 
 SETTINGS = EvalSettings(seed=3, samples_per_prompt=2, prompts_per_skill=3, understanding_items=4, text_documents=4,
                         batch_size=8, cfg_scale=1.0)
-
-
-@pytest.fixture(scope="module")
-def parts(tmp_path_factory):
-    """The digits' words as a vocabulary, an untrained 4x4-code tokenizer for 64-px digits, a random chameleon
-    decoder, a random llava (late-fusion) model, and an untrained classifier's state_dict on disk."""
-    torch.manual_seed(0)
-    texts = [data.caption(d, v) for d in range(10) for v in range(4)] + [data.CALCULATE, data.PLUS, data.EQUALS]
-    vocab = train_unified_vocab(texts * 5, vocab_size=400, image_codes=32)
-    tokenizer = ImageTokenizer(ImageTokenizerConfig(image_size=64, base_channels=8, channel_multiplier=(1, 1, 1, 1, 1),
-                                                    num_res_blocks=1, latent_channels=8, norm_groups=4,
-                                                    codebook_size=32)).eval()
-    config = FusionConfig.from_preset("tiny", vocab_size=vocab.vocab_size, image_offset=vocab.image_offset,
-                                      image_codes=vocab.image_codes, max_seq_len=128)
-    families = {}
-    for name, options in (("chameleon", {}),
-                          ("llava", {"stage": 2, "feature_dim": tokenizer.config.embed_dim,
-                                     "image_token_id": vocab.image_placeholder_id, "boi_id": vocab.boi_id,
-                                     "eoi_id": vocab.eoi_id})):
-        family = family_class(name)(config, options)
-        built = family.build()
-        for part in built.values():
-            part.eval()
-        families[name] = LoadedFamily(family, built)
-    folder = tmp_path_factory.mktemp("demo")
-    (folder / "generate").mkdir()
-    torch.save(DigitClassifier().state_dict(), folder / "generate" / "classifier.pt")
-    return vocab, tokenizer, families, DigitOptions(demo_dir=str(folder), held_out=60)
 
 
 def _run(built, family="chameleon", settings=SETTINGS, **options):
@@ -119,3 +83,40 @@ def test_held_out_text_documents_are_seeded_words_of_the_training_documents():
     docs = data.held_out_text_documents(labels, 6, seed=1)
     assert docs == data.held_out_text_documents(labels, 6, seed=1) != data.held_out_text_documents(labels, 6, seed=2)
     assert all(data.parse_digit(doc) is not None for doc in docs)
+
+
+def test_the_outputs_are_the_rows_the_figures_count(parts):
+    result = _run(parts)
+    figures, outputs = result.figures, result.outputs
+    generation = outputs["generation"]
+    assert len(generation["images"]) == figures["generation"]["count"]
+    assert generation["correct"].mean() == figures["generation"]["accuracy"]
+    assert (generation["made"] == [image is not None for image in generation["images"]]).all()
+    assert (generation["predicted"][~generation["made"]] == -1).all()  # no image: nothing read
+    assert len(outputs["understanding"]["texts"]) == figures["understanding"]["count"]
+    arithmetic = outputs["interleaved"]
+    assert arithmetic["correct"].mean() == figures["interleaved"]["accuracy"]
+    labels = data.load_digits(held_out=60).test_labels  # the options' split: held_out 60, seed 0
+    assert (labels[arithmetic["a_index"]] == arithmetic["pairs"][:, 0]).all()
+    assert (labels[arithmetic["b_index"]] == arithmetic["pairs"][:, 1]).all()
+    assert (arithmetic["targets"] == arithmetic["pairs"].sum(axis=1)).all()
+
+
+def test_the_worded_sum_is_the_text_before_the_first_image():
+    from PIL import Image
+
+    from evaluation.digits import _text_before_image
+
+    image = Image.new("RGB", (4, 4))
+    assert _text_before_image([": three plus four", " is seven", image, "more"]) == ": three plus four is seven"
+    assert _text_before_image([image, "after"]) == ""
+    assert _text_before_image([": two plus two is four"]) == ": two plus two is four"  # no image: all the text
+
+
+def test_real_reference_subset_is_class_balanced_and_disjoint():
+    from evaluation.digits import balanced_split
+
+    labels = np.repeat(np.arange(10), 7)
+    subset, rest = balanced_split(labels, 3, np.random.default_rng(0))
+    assert np.bincount(labels[subset], minlength=10).tolist() == [3] * 10
+    assert len(np.intersect1d(subset, rest)) == 0 and len(subset) + len(rest) == len(labels)

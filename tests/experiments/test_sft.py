@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from evaluation import chat_data
 from experiments import sft as experiment
-from experiments import sft_data
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the fixtures are in conftest.py
 
@@ -112,7 +112,7 @@ def test_peft_arms_train_fewer_parameters_on_the_same_batches(smoke, demo_with_d
 def test_scores_cover_every_category_and_forgetting_is_measured(smoke):
     settings, record = smoke
     for name, r in record["results"].items():
-        assert set(r["categories"]) == set(sft_data.CATEGORIES), name
+        assert set(r["categories"]) == set(chat_data.CATEGORIES), name
         for category, c in r["categories"].items():
             assert c["count"] == settings.held_out_per_category, category
             assert 0.0 <= c["accuracy"] <= 1.0
@@ -122,7 +122,7 @@ def test_scores_cover_every_category_and_forgetting_is_measured(smoke):
         assert loss["targets"] == loss["text_targets"] + loss["image_targets"] > 0
         assert all(np.isfinite(loss[k]) and loss[k] > 0 for k in ("all", "text", "image"))
         assert r["generated_tokens"] > 0
-        assert len(r["answers"]) == len(sft_data.CATEGORIES) * settings.held_out_per_category
+        assert len(r["answers"]) == len(chat_data.CATEGORIES) * settings.held_out_per_category
     # the SFT arms start from the pretrained decoder and move away from it
     before = record["results"]["pretrained"]["held_out_pretraining_loss"]["all"]
     assert all(record["results"][arm]["held_out_pretraining_loss"]["all"] != before for arm in record["training"])
@@ -136,50 +136,41 @@ def test_outputs_are_written(smoke):
     table = open(f"{out}/results.md").read()
     assert all(f"| {arm} |" in table for arm in experiment.ARMS)
     page = open(record["samples"]).read()
-    assert page.startswith("<!doctype html>") and all(c in page for c in sft_data.CATEGORIES)
-    assert page.count("<img") >= settings.samples_shown * 2  # the prompts' images at least
-    assert saved["data"]["held_out"] == dict.fromkeys(sft_data.CATEGORIES, settings.held_out_per_category)
+    assert page.startswith("<!doctype html>") and all(c in page for c in chat_data.CATEGORIES)
+    shown = min(settings.samples_shown, settings.held_out_per_category)
+    assert page.count("<img") >= shown * 2  # the prompts' images (visual chat and interleaved)
+    assert saved["data"]["held_out"] == dict.fromkeys(chat_data.CATEGORIES, settings.held_out_per_category)
+    for arm, r in record["results"].items():  # every arm was scored by `train.py eval --suite chat`, page and all
+        scored = json.loads((experiment.Path(r["page"]).parent / "results.json").read_text())
+        assert scored["suite"] == "chat" and scored["figures"]["categories"] == r["categories"], arm
+        assert f'href="{arm}/eval/index.html"' in page
 
 
-def test_prompts_end_the_user_turn_and_hold_only_held_out_images(smoke, demo_with_decoder):
-    from experiments.demo.stages import load_image_tokenizer, load_vocab
+def test_the_suite_answers_the_written_held_out_conversations_in_the_chat_template(smoke, demo_with_decoder):
+    from evaluation.base import EvalSettings
+    from evaluation.chat import ChatOptions, ChatSuite
+    from evaluation.digits import pixels
+    from evaluation.run import load_context
+    from tokenizer.chat import Turn, encode_segments, prompt_segments
 
     settings, record = smoke
     _, folder = demo_with_decoder
     chat = experiment.Path(settings.out_dir) / "chat"
-    conversations = sft_data.read_labels(chat, "held_out")
+    conversations = chat_data.read_labels(chat, "held_out")
     assert {c.split for c in conversations} == {"held_out"}
-    vocab = load_vocab(folder)
-    prompts = experiment.held_out_prompts(chat, conversations[:4], vocab, load_image_tokenizer(folder))
-    for prompt, c in zip(prompts, conversations):
-        assert prompt[0] == vocab.bos_id and prompt[-1] == vocab.sep_id
-        assert prompt.count(vocab.boi_id) == (c.category in ("visual_chat", "interleaved"))
-
-
-def _answer(text: str = "", image: bool = False) -> dict:
-    return {"text": text, "after_image": text if image else "", "codes": torch.zeros(2, 2) if image else None,
-            "opened_image": image}
-
-
-def test_score_rules():
-    c = sft_data.Conversation
-    conversations = [c("visual_chat", 7, 7, "held_out", 0, -1), c("visual_chat", 3, 3, "held_out", 1, -1),
-                     c("text_only", 3, 4, "held_out", -1, -1), c("image_generation", 5, 5, "held_out", -1, 2),
-                     c("interleaved", 9, 0, "held_out", 3, 4), c("interleaved", 1, 2, "held_out", 5, 6)]
-    answers = [_answer(" Seven."), _answer("three", image=True), _answer("the number four"),
-               _answer("five"), _answer("That is a zero.", image=True), _answer("That is a two.", image=True)]
-    predicted = [None, 3, None, None, 0, 5]
-    scores = experiment.score(conversations, answers, predicted)
-    per = scores["categories"]
-    # exact match after case, spaces and a full stop; an answer with an image is never a right text answer
-    assert per["visual_chat"]["accuracy"] == 0.5 and per["visual_chat"]["image_when_none_asked"] == 0.5
-    assert per["text_only"]["accuracy"] == 0.0 and per["text_only"]["names_answer"] == 1.0
-    assert per["image_generation"]["accuracy"] == 0.0 and per["image_generation"]["text_only_when_image_asked"] == 1.0
-    assert per["interleaved"]["accuracy"] == 0.5 and per["interleaved"]["sentence_accuracy"] == 1.0
-    assert per["interleaved"]["image_and_sentence"] == 0.5
-    assert scores["image_when_none_asked"] == pytest.approx(1 / 3)
-    assert scores["text_only_when_image_asked"] == pytest.approx(1 / 3)
-    assert experiment.normalise(" Seven. ") == "seven"
+    context = load_context(folder / "train" / "model.ckpt", folder / "vocab" / "tokenizer.json",
+                           folder / "tokenizer" / "model", EvalSettings())
+    suite = ChatSuite(ChatOptions(demo_dir=str(folder), conversations=str(chat / "held_out.jsonl")))
+    read, user_parts = suite.conversations(context)
+    assert read == conversations
+    vocab, tokenizer = context.vocab, context.media_tokenizer
+    for c, parts in zip(conversations, user_parts):
+        images = {id(p): tokenizer.encode(pixels([p]))[0] for p in parts if not isinstance(p, str)}
+        coded = [images.get(id(p), p) for p in parts]
+        ids = encode_segments(vocab, prompt_segments(vocab, [Turn("user", tuple(coded))]),
+                              grid_shape=tuple(tokenizer.grid_shape))
+        assert ids[0] == vocab.bos_id and ids[-1] == vocab.sep_id
+        assert ids.count(vocab.boi_id) == (c.category in ("visual_chat", "interleaved"))
 
 
 def test_command_line_options():

@@ -134,8 +134,8 @@ def test_fusion_experiment_compares_early_and_each_late_fusion_model_on_the_demo
 
 def test_greedy_captions_of_the_early_model_are_the_samplers_greedy_captions(demo):
     from experiments import fusion as experiment
-    from experiments.demo import evaluate
     from experiments.demo.stages import digits_for, load_decoder, load_image_tokenizer, load_vocab
+    from fusion_model.sampling import SamplingConfig, generate_ids
 
     config, out, _ = demo
     digits = digits_for(config)
@@ -144,7 +144,11 @@ def test_greedy_captions_of_the_early_model_are_the_samplers_greedy_captions(dem
 
     with torch.no_grad():
         codes, features = tokenizer.encode_with_features(to_model_images(digits.test_images[:24], 64))
-        sampled = evaluate.understanding(model, vocab, codes, digits.test_labels[:24])["texts"]
+        prompts = [vocab.encode_document([grid], bos=True, eos=False) for grid in codes]  # <s> <boi> codes <eoi>
+        greedy_text = SamplingConfig(mode="text", text_temperature=0.0, max_new_tokens=16,
+                                     image_grid=tuple(codes.shape[1:]))
+        sampled = [vocab.decode_text([t for t in ids if t != vocab.eos_id]).strip()
+                   for ids in generate_ids(model, vocab, prompts, greedy_text)]
         ids, per_position = experiment.prompts_with_features(vocab, [[c] for c in codes], [[f] for f in features],
                                                              features.shape[-1])
         greedy = experiment.greedy_captions(experiment.early_decodable(model), ids, per_position, vocab)
@@ -159,6 +163,38 @@ def test_fusion_experiment_needs_a_finished_demo_and_names_the_command(tmp_path,
     error = capsys.readouterr().err
     assert "python train.py demo --preset smoke" in error and len(error.strip().splitlines()) == 1
     assert main(["experiment", "nothing"]) == 2
+
+
+def test_the_generate_stage_is_the_digits_suite_and_its_recorded_eval_command_repeats_it(demo, tmp_path):
+    from experiments.commands import main
+
+    config, out, records = demo
+    generate = records["generate"]
+    figures = generate["figures"]
+    assert generate["understanding_accuracy"] == figures["understanding"]["accuracy"]
+    assert generate["generation_accuracy_t1_cfg1"] == figures["distribution"]["plain"]["accuracy"]
+    assert generate["understanding_count"] == config.generate.understanding_examples
+    assert generate["generation_count"] == 10 * config.generate.images_per_caption
+    assert generate["interleaved_count"] == config.generate.arithmetic_examples
+    assert generate["text_loss"] > 0
+    argv = shlex.split(generate["command"])
+    assert argv[:3] == ["python", "train.py", "eval"]
+    eval_out = tmp_path / "eval"
+    assert main([*argv[2:argv.index("--out")], *argv[argv.index("--out") + 2:], "--out", str(eval_out)]) == 0
+    assert json.loads((eval_out / "results.json").read_text())["figures"] == json.loads(
+        (out / "generate" / "stage.json").read_text())["figures"]  # both read back from JSON (tuples as lists)
+
+
+def test_the_suite_scores_the_held_out_digits_of_the_demos_split(tmp_path):
+    from experiments.demo.stages import digits_for, eval_setup
+
+    config = load_config("smoke")
+    assert config.data.train_limit is not None  # a limited training part: the split must still agree
+    _, options = eval_setup(config, tmp_path)
+    suite_split = load_digits(held_out=options.held_out, seed=options.split_seed)  # what DigitSuite.run draws
+    demo_split = digits_for(config)
+    assert np.array_equal(suite_split.test_images, demo_split.test_images)
+    assert np.array_equal(suite_split.test_labels, demo_split.test_labels)
 
 
 def test_rerun_reuses_every_finished_stage(demo):
@@ -283,22 +319,3 @@ def test_arithmetic_documents_word_the_sum_before_the_answer_image():
     assert parse_digit(worded_sum(2, 5)) == 7  # the last number word is the answer
     texts = caption_texts()
     assert all(worded_sum(a, b) in texts for a in range(10) for b in range(10 - a))  # the BPE sees every sum
-
-
-def test_answer_image_is_read_after_the_generated_text():
-    from experiments.demo.evaluate import _image_codes, _text_before_image
-    from tokenizer.vocab import UnifiedVocab
-
-    vocab = SimpleNamespace(pad_id=0, bos_id=1, boi_id=8, eoi_id=9, eos_id=2, bov_id=None, eov_id=None,  # no video
-                            image_offset=16, image_codes=4,
-                            decode_text=lambda ids: " ".join(map(str, ids)), _as_list=UnifiedVocab._as_list)
-    vocab.spans = lambda ids: UnifiedVocab.spans(vocab, ids)  # the vocabulary's one document parser
-    rows = [[100, 101, 8, 16, 17, 18, 19, 9, 2],  # text, then a whole image
-            [8, 19, 18, 17, 16, 9],  # an image straight away
-            [100, 8, 16, 17, 9],  # the image stops early
-            [100, 101, 2]]  # no image at all
-    codes, complete = _image_codes(vocab, rows, (2, 2))
-    assert complete.tolist() == [True, True, False, False]
-    assert codes[0].flatten().tolist() == [0, 1, 2, 3] and codes[1].flatten().tolist() == [3, 2, 1, 0]
-    assert _text_before_image(vocab, rows[0]) == "100 101" and _text_before_image(vocab, rows[3]) == "100 101"
-

@@ -1,4 +1,5 @@
-"""The SFT experiment's data: seeded chat conversations about the demo's MNIST digits, in four categories.
+"""Chat conversations about the demo's MNIST digits in four categories, seeded: what the `chat` suite asks
+(held-out digits) and what the SFT experiment trains on (training digits).
 
 Categories (each answer is exact to score):
 - `visual_chat`: user `<image> Which digit is this?` -> assistant the digit's name ("seven");
@@ -23,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from common.files import atomic_write_json, atomic_write_text
-from experiments.demo.datasets import DIGIT_WORDS, pick_by_label
+from evaluation.digits_data import DIGIT_WORDS, pick_by_label
 
 CATEGORIES = ("visual_chat", "image_generation", "interleaved", "text_only")
 # which categories' answers are an image (the rest answer in text only)

@@ -1,4 +1,4 @@
-"""The SFT experiment's conversations: splits kept apart, category counts, right answers, parseable JSONL."""
+"""The chat conversations (the chat suite asks them, the SFT experiment trains on them): splits kept apart, category counts, right answers, parseable JSONL."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from experiments import sft_data
-from experiments.demo.datasets import DIGIT_WORDS, parse_digit
+from evaluation import chat_data
+from evaluation.digits_data import DIGIT_WORDS, parse_digit
 from tokenizer.chat import parse_messages
 
 TRAIN, HELD_OUT = 120, 40
@@ -29,7 +29,7 @@ def written(tmp_path_factory):
         grid[:, 0, 1], grid[:, 0, 2] = np.arange(n) // 256, np.arange(n) % 256
         pictures[split] = grid
     folder = tmp_path_factory.mktemp("chat")
-    data = sft_data.write_chat_data(folder, labels["train"], labels["held_out"], pictures, train_conversations=202,
+    data = chat_data.write_chat_data(folder, labels["train"], labels["held_out"], pictures, train_conversations=202,
                                     held_out_per_category=7, seed=3)
     return data, labels, pictures
 
@@ -52,24 +52,24 @@ def test_held_out_digits_never_appear_in_training_conversations(written):
         for p in set(paths):
             pixels = np.asarray(Image.open(data.folder / p))
             assert pixels.tobytes() not in held_out_pixels
-        assert all(c.split == "train" for c in sft_data.read_labels(data.folder, split.stem))
+        assert all(c.split == "train" for c in chat_data.read_labels(data.folder, split.stem))
     assert all(p.startswith("images/held_out_") for p in _image_paths(data.held_out))
 
 
 def test_category_counts(written):
     data, _, _ = written
-    count = lambda name: {c: sum(x.category == c for x in sft_data.read_labels(data.folder, name))  # noqa: E731
-                          for c in sft_data.CATEGORIES}
+    count = lambda name: {c: sum(x.category == c for x in chat_data.read_labels(data.folder, name))  # noqa: E731
+                          for c in chat_data.CATEGORIES}
     balanced, unbalanced, held_out = count("train"), count("train_unbalanced"), count("held_out")
     assert sum(balanced.values()) == sum(unbalanced.values()) == 202
     assert max(balanced.values()) - min(balanced.values()) <= 1
-    assert unbalanced == sft_data.category_counts(202, sft_data.UNBALANCED_MIX)
+    assert unbalanced == chat_data.category_counts(202, chat_data.UNBALANCED_MIX)
     assert unbalanced["visual_chat"] > 8 * unbalanced["image_generation"]
-    assert held_out == dict.fromkeys(sft_data.CATEGORIES, 7)
-    assert sft_data.category_counts(10) == {"visual_chat": 3, "image_generation": 3, "interleaved": 2,
+    assert held_out == dict.fromkeys(chat_data.CATEGORIES, 7)
+    assert chat_data.category_counts(10) == {"visual_chat": 3, "image_generation": 3, "interleaved": 2,
                                             "text_only": 2}
     with pytest.raises(ValueError, match="mix"):
-        sft_data.category_counts(10, {"visual_chat": -1.0})
+        chat_data.category_counts(10, {"visual_chat": -1.0})
 
 
 def test_every_answer_is_right(written):
@@ -82,14 +82,14 @@ def test_every_answer_is_right(written):
         return int(labels[split][int(index)])
 
     for name in ("train", "train_unbalanced", "held_out"):
-        for record, c in zip(_records(data.folder / f"{name}.jsonl"), sft_data.read_labels(data.folder, name)):
+        for record, c in zip(_records(data.folder / f"{name}.jsonl"), chat_data.read_labels(data.folder, name)):
             user, assistant = record["messages"]
             assert (user["role"], assistant["role"]) == ("user", "assistant")
             asked = [p for p in user["content"] if p["type"] == "image"]
             answer_images = [p for p in assistant["content"] if p["type"] == "image"]
             answer_text = " ".join(p["text"] for p in assistant["content"] if p["type"] == "text")
             question = " ".join(p["text"] for p in user["content"] if p["type"] == "text")
-            assert bool(answer_images) == sft_data.ASKS_FOR_IMAGE[c.category]
+            assert bool(answer_images) == chat_data.ASKS_FOR_IMAGE[c.category]
             if c.category == "visual_chat":
                 assert answer_text == DIGIT_WORDS[label_of(asked[0]["path"])] == DIGIT_WORDS[c.answer]
             elif c.category == "image_generation":
@@ -102,7 +102,7 @@ def test_every_answer_is_right(written):
             else:
                 assert not asked and answer_text == DIGIT_WORDS[(parse_digit(question) + 1) % 10]
                 assert c.answer == (c.digit + 1) % 10
-    assert sft_data.next_digit(9) == 0
+    assert chat_data.next_digit(9) == 0
 
 
 def test_jsonl_parses_as_chat_and_its_images_exist(written):
@@ -120,7 +120,7 @@ def test_jsonl_parses_as_chat_and_its_images_exist(written):
 
 def test_the_same_seed_writes_the_same_files(written, tmp_path):
     data, labels, pictures = written
-    again = sft_data.write_chat_data(tmp_path, labels["train"], labels["held_out"], pictures,
+    again = chat_data.write_chat_data(tmp_path, labels["train"], labels["held_out"], pictures,
                                      train_conversations=202, held_out_per_category=7, seed=3)
     for name in ("train", "train_unbalanced", "held_out"):
         assert (tmp_path / f"{name}.jsonl").read_text() == (data.folder / f"{name}.jsonl").read_text()
