@@ -582,6 +582,45 @@ def write_plots(record: dict, folder: Path) -> list[str]:
     return [str(path)]
 
 
+def _seeds_sentence(records: list[dict]) -> str:
+    """How many seeds each budget of the rendered runs has, in words."""
+    seeds: dict[float, list[int]] = {}
+    for record in records:
+        seeds.setdefault(record["config"]["flops_budget"], []).append(record["config"]["seed"])
+    return "Seeds (each one the whole pipeline: documents, tokenizers, decoders, sampling): " + "; ".join(
+        f"{budget:.3g} FLOPs: {', '.join(str(s) for s in sorted(values))}" for budget, values in seeds.items()) + "."
+
+
+def seeds_table(records: list[dict]) -> list[str]:
+    """Markdown lines comparing the seeds of each budget that has several: each arm's generation score,
+    understanding and held-out text loss per seed, and their mean and spread (max - min)."""
+    by_budget: dict[float, list[dict]] = {}
+    for record in records:
+        by_budget.setdefault(record["config"]["flops_budget"], []).append(record)
+    lines: list[str] = []
+    for budget, runs in by_budget.items():
+        if len(runs) < 2:
+            continue
+        runs = sorted(runs, key=lambda r: r["config"]["seed"])
+        seeds = [r["config"]["seed"] for r in runs]
+        lines += [f"## Seeds at {budget:.3g} training FLOPs per arm", "",
+                  "| arm | figure | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | spread (max - min) |",
+                  "|---" * (len(seeds) + 4) + "|"]
+        arms = [a for a in runs[0]["arms"] if all(a in r["arms"] for r in runs)]
+        for arm in arms:
+            for label, key, fmt in (("generation score", "generation_score", _pct),
+                                    ("understanding", "understanding", _pct),
+                                    ("held-out text loss", "text_loss", lambda v: _num(v, ".3f"))):
+                values = [r["arms"][arm]["figures"]["summary"].get(key) for r in runs]
+                known = [v for v in values if v is not None]
+                mean = sum(known) / len(known) if known else None
+                spread = max(known) - min(known) if known else None
+                lines.append(f"| {arm} | {label} | " + " | ".join(fmt(v) for v in values)
+                             + f" | {fmt(mean)} | {fmt(spread) if key == 'text_loss' else _pct(spread)} |")
+        lines.append("")
+    return lines
+
+
 READING_MARK = "## Reading"  # the doc's hand-written section from here on: kept when the tables are rendered again
 
 
@@ -614,10 +653,11 @@ def render_doc(results: str | Path | list[str | Path], doc: str | Path = DOC) ->
              "scenes` (`evaluation.scenes`: a rule-based scene checker, so generation accuracy is exact; "
              "[docs/evaluation.md](../evaluation.md)). `chameleon` and `mot` read VQ codes (the same token shards); "
              "`transfusion` reads continuous latents of the same documents, written by a KL tokenizer trained for "
-             "the VQ tokenizer's steps. One seed (0) per arm and budget.", "",
+             f"the VQ tokenizer's steps. {_seeds_sentence([r for _, r in records])}", "",
              "Rerun: " + "; ".join(f"`python train.py experiment compositional --flops-budget "
-                                   f"{r['config']['flops_budget']:.3g} --out {r['config']['out_dir']}`"
-                                   for _, r in records)
+                                   f"{r['config']['flops_budget']:.3g}"
+                                   + (f" --seed {r['config']['seed']}" if r["config"]["seed"] else "")
+                                   + f" --out {r['config']['out_dir']}`" for _, r in records)
              + f"; then `python train.py experiment compositional --render-doc {outs}` (the tables below; the reading "
              "at the end is written by hand and kept).", ""]
     for k, (path, record) in enumerate(records):
@@ -625,8 +665,9 @@ def render_doc(results: str | Path | list[str | Path], doc: str | Path = DOC) ->
         name = DOC_PLOT if k == 0 else DOC_PLOT.replace(".png", f"_{k + 1}.png")
         if plot.is_file():
             shutil.copyfile(plot, doc.parent / name)
-        lines += [f"## Budget {record['config']['flops_budget']:.3g} training FLOPs per arm "
-                  f"({record['config']['out_dir']})", "", results_markdown(record, plot=name)]
+        lines += [f"## Budget {record['config']['flops_budget']:.3g} training FLOPs per arm, seed "
+                  f"{record['config']['seed']} ({record['config']['out_dir']})", "", results_markdown(record, plot=name)]
+    lines += seeds_table([r for _, r in records])
     atomic_write_text(doc, "\n".join(lines) + ("\n" + reading if reading else ""))
     return doc
 

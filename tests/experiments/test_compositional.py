@@ -99,6 +99,21 @@ def test_the_doc_is_rendered_from_results_json(smoke, tmp_path):
     assert again.count("## Budget") == 2 and again.endswith("## Reading\n\nwritten by hand\n")
 
 
+def test_seeds_of_one_budget_are_compared_side_by_side(smoke):
+    _, smoke_record = smoke
+    record, other = json.loads(json.dumps(smoke_record)), json.loads(json.dumps(smoke_record))
+    other["config"]["seed"] = 7
+    for run, score in ((record, 0.25), (other, 0.5)):  # the smoke run ranks no skill: its score is None
+        for arm in run["arms"].values():
+            arm["figures"]["summary"]["generation_score"] = score
+    assert experiment.seeds_table([record]) == []  # one seed: nothing to compare
+    lines = experiment.seeds_table([other, record])
+    assert lines[0].startswith("## Seeds at") and f"| seed {record['config']['seed']} | seed 7 |" in lines[2]
+    chameleon = next(line for line in lines if line.startswith("| chameleon | generation score"))
+    assert chameleon == "| chameleon | generation score | 25.0% | 50.0% | 37.5% | 25.0% |"
+    assert f"{record['config']['seed']}, 7" in experiment._seeds_sentence([record, other])
+
+
 def test_the_command_line_takes_the_smoke_mode_and_options():
     parser = experiment.build_parser()
     config = experiment.config_from_args(parser.parse_args(["--smoke", "--out", "x", "--arms", "mot",
