@@ -587,7 +587,8 @@ def _seeds_sentence(records: list[dict]) -> str:
     seeds: dict[float, list[int]] = {}
     for record in records:
         seeds.setdefault(record["config"]["flops_budget"], []).append(record["config"]["seed"])
-    return "Seeds (each one the whole pipeline: documents, tokenizers, decoders, sampling): " + "; ".join(
+    return ("Seeds (each one the whole pipeline: documents, tokenizers, decoders, sampling; the held-out captions "
+            "are split seed 0's in every run): ") + "; ".join(
         f"{budget:.3g} FLOPs: {', '.join(str(s) for s in sorted(values))}" for budget, values in seeds.items()) + "."
 
 
