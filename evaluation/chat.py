@@ -25,7 +25,7 @@ from PIL import Image
 from evaluation import chat_data
 from evaluation import digits_data as data
 from evaluation.base import EvalContext, PageSample, Suite, SuiteResult, first_image, help_metadata, text_of
-from evaluation.digits import load_classifier, read_digits
+from evaluation.digits import DemoDigitsOptions, load_classifier, read_digits
 
 TEXT_ANSWERS = tuple(c for c in chat_data.CATEGORIES if not chat_data.ASKS_FOR_IMAGE[c])
 IMAGE_ANSWERS = tuple(c for c in chat_data.CATEGORIES if chat_data.ASKS_FOR_IMAGE[c])
@@ -35,29 +35,13 @@ CONVERSATION_STREAM = 11  # the default conversations' own random stream (beside
 
 
 @dataclass(frozen=True)
-class ChatOptions:
-    """What the chat suite needs besides the checkpoint: the demo's classifier and split, or a conversations file."""
+class ChatOptions(DemoDigitsOptions):
+    """The chat suite's options: the demo's classifier and split, or a conversations file."""
 
-    demo_dir: str = field(default="", metadata=help_metadata("a finished demo's folder (python train.py demo): its "
-                                                             "classifier (generate/classifier.pt) reads the answers' "
-                                                             "images"))
-    classifier: str = field(default="", metadata=help_metadata("the classifier's state_dict (default: "
-                                                               "<demo-dir>/generate/classifier.pt)"))
     conversations: str = field(default="", metadata=help_metadata(
         "held-out conversations to answer: a JSONL written by evaluation.chat_data (its .labels.json beside it, "
         "e.g. an SFT run's chat/held_out.jsonl); default: --prompts-per-skill per category from the demo split's "
         "held-out digits"))
-    held_out: int = field(default=500, metadata=help_metadata("held-out digits of the demo's split (its data.held_out)"))
-    split_seed: int = field(default=0, metadata=help_metadata("the seed of the demo's split (its seed)"))
-
-    def classifier_path(self) -> Path:
-        """Where the classifier's state_dict is."""
-        if self.classifier:
-            return Path(self.classifier)
-        if not self.demo_dir:
-            raise ValueError("the chat suite reads the answers' digits with the demo's classifier: pass --demo-dir "
-                             "(a finished demo's folder) or --classifier")
-        return Path(self.demo_dir) / "generate" / "classifier.pt"
 
     def labels_path(self) -> Path:
         """The `.labels.json` beside --conversations (what each conversation asks and its right answer)."""
@@ -132,13 +116,7 @@ class ChatSuite(Suite):
 
     def check(self, context: EvalContext) -> None:
         """Refuse a checkpoint without an image tokenizer, a missing classifier or conversations file."""
-        if context.media_tokenizer is None:
-            raise ValueError("the chat suite shows the model digits: pass the image tokenizer bundle the "
-                             "checkpoint's shards were made with (--media-tokenizer)")
-        path = self.options.classifier_path()
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} does not exist: the chat suite reads digits with the classifier a "
-                                    "finished demo trained (python train.py demo), or pass --classifier")
+        self.options.check_inputs(context, self.name)
         if self.options.conversations:
             for needed in (Path(self.options.conversations), self.options.labels_path()):
                 if not needed.is_file():

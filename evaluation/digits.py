@@ -51,20 +51,48 @@ SHOWN = 24  # page rows per group
 
 
 @dataclass(frozen=True)
-class DigitOptions:
-    """What the digits suite needs besides the checkpoint: the finished demo (its classifier) and its split."""
+class DemoDigitsOptions:
+    """What a suite scored on the demo's digits needs besides the checkpoint: the finished demo (its classifier) and
+    its split (the digits and chat suites' options extend it)."""
 
-    demo_dir: str = field(default="", metadata=help_metadata("a finished demo's folder (python train.py demo): the classifier "
-                                                     "it trained (generate/classifier.pt) reads the digits"))
+    demo_dir: str = field(default="", metadata=help_metadata("a finished demo's folder (python train.py demo): the "
+                                                             "classifier it trained (generate/classifier.pt) reads the "
+                                                             "digits"))
     classifier: str = field(default="", metadata=help_metadata("the classifier's state_dict (default: "
-                                                       "<demo-dir>/generate/classifier.pt)"))
-    held_out: int = field(default=500, metadata=help_metadata("held-out digits of the demo's split (its data.held_out: 500 "
-                                                      "for the full preset, 200 for smoke)"))
+                                                               "<demo-dir>/generate/classifier.pt)"))
+    held_out: int = field(default=500, metadata=help_metadata("held-out digits of the demo's split (its "
+                                                              "data.held_out: 500 for the full preset, 200 for smoke)"))
     split_seed: int = field(default=0, metadata=help_metadata("the seed of the demo's split (its seed)"))
-    parts: str = field(default=",".join(PARTS), metadata=help_metadata(f"comma-separated figures to compute, of {PARTS} "
-                                                               "(distribution needs generation)"))
-    plain_sampling: bool = field(default=False, metadata=help_metadata("also sample every caption at temperature 1 without "
-                                                               "top-k or guidance and score its distribution"))
+
+    def classifier_path(self) -> Path:
+        """Where the classifier's state_dict is."""
+        if self.classifier:
+            return Path(self.classifier)
+        if not self.demo_dir:
+            raise ValueError("the demo's classifier reads the digits: pass --demo-dir (a finished demo's folder) or "
+                             "--classifier")
+        return Path(self.demo_dir) / "generate" / "classifier.pt"
+
+    def check_inputs(self, context: EvalContext, suite: str) -> None:
+        """Refuse, in one sentence, a context without an image tokenizer or options without a classifier file."""
+        if context.media_tokenizer is None:
+            raise ValueError(f"the {suite} suite shows the model digits: pass the image tokenizer bundle the "
+                             "checkpoint's shards were made with (--media-tokenizer)")
+        path = self.classifier_path()
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist: the {suite} suite reads digits with the classifier a "
+                                    "finished demo trained (python train.py demo), or pass --classifier")
+
+
+@dataclass(frozen=True)
+class DigitOptions(DemoDigitsOptions):
+    """The digits suite's options: the demo's classifier and split, and which figures to compute."""
+
+    parts: str = field(default=",".join(PARTS), metadata=help_metadata(f"comma-separated figures to compute, of "
+                                                                       f"{PARTS} (distribution needs generation)"))
+    plain_sampling: bool = field(default=False, metadata=help_metadata("also sample every caption at temperature 1 "
+                                                                       "without top-k or guidance and score its "
+                                                                       "distribution"))
 
     def chosen_parts(self) -> tuple[str, ...]:
         """The parts asked for, checked."""
@@ -75,15 +103,6 @@ class DigitOptions:
         if "distribution" in chosen and "generation" not in chosen:
             raise ValueError("--parts: distribution scores the generated images; add generation")
         return chosen
-
-    def classifier_path(self) -> Path:
-        """Where the classifier's state_dict is."""
-        if self.classifier:
-            return Path(self.classifier)
-        if not self.demo_dir:
-            raise ValueError("the digits suite reads digits with the demo's classifier: pass --demo-dir (a finished "
-                             "demo's folder) or --classifier")
-        return Path(self.demo_dir) / "generate" / "classifier.pt"
 
 
 def load_classifier(path: str | Path):
@@ -144,13 +163,7 @@ class DigitSuite(Suite):
     def check(self, context: EvalContext) -> None:
         """Refuse a checkpoint without an image tokenizer, a missing classifier or unknown parts."""
         self.options.chosen_parts()
-        if context.media_tokenizer is None:
-            raise ValueError("the digits suite shows the model digits: pass the image tokenizer bundle the "
-                             "checkpoint's shards were made with (--media-tokenizer)")
-        path = self.options.classifier_path()
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} does not exist: the digits suite reads digits with the classifier a "
-                                    "finished demo trained (python train.py demo), or pass --classifier")
+        self.options.check_inputs(context, self.name)
 
     def run(self, context: EvalContext) -> DigitResult:
         """Every part asked for; parts not asked for (or impossible for the family) are None."""
